@@ -1,0 +1,5 @@
+DROP TABLE IF EXISTS "outbox_inbox";
+
+DROP TABLE IF EXISTS "outbox";
+
+DROP TABLE IF EXISTS "outbox_migrations";

@@ -1,0 +1,107 @@
+//! The crate's one error type.
+
+use std::error::Error as StdError;
+
+/// A boxed error from a publisher, a pool or another source outside the crate.
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// Everything that can go wrong in this crate.
+///
+/// Messages never contain payloads, URLs or passwords: they name messages by idempotency
+/// key and topic only.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The table name is not `name` or `schema.name` with parts `[a-z_][a-z0-9_]*`, or one of
+    /// the identifiers derived from it would exceed PostgreSQL's 63-byte limit.
+    #[error("invalid outbox table name: {0}")]
+    InvalidTable(String),
+
+    /// A message, a dedupe call or an operation argument was rejected before any SQL ran.
+    #[error("invalid input: {0}")]
+    InvalidMessage(String),
+
+    /// A relay option was rejected by `build()`.
+    #[error("invalid relay option: {0}")]
+    InvalidOption(String),
+
+    /// A message with this idempotency key is already in the outbox. The caller's
+    /// transaction is still usable.
+    #[error("duplicate idempotency key: {}", keys.join(", "))]
+    DuplicateKey {
+        /// The keys that were already present.
+        keys: Vec<String>,
+    },
+
+    /// The outbox table does not exist.
+    #[error("outbox table {table} is missing: run `migrate` first")]
+    NotMigrated {
+        /// The table that was looked for.
+        table: String,
+    },
+
+    /// A database error.
+    #[error("database error: {0}")]
+    Database(#[from] diesel::result::Error),
+
+    /// Connecting to the database failed.
+    #[error("database connection failed: {0}")]
+    Connection(#[source] BoxError),
+
+    /// Checking a connection out of the pool failed.
+    #[error("connection pool error: {0}")]
+    Pool(#[source] BoxError),
+
+    /// Applying the outbox migrations failed.
+    #[error("migration failed: {0}")]
+    Migration(#[source] BoxError),
+
+    /// A publisher failed in a way that stops the caller (for example at start-up).
+    #[error("publish failed: {0}")]
+    Publish(#[source] BoxError),
+}
+
+impl Error {
+    /// True for [`Error::DuplicateKey`].
+    pub fn is_duplicate_key(&self) -> bool {
+        matches!(self, Error::DuplicateKey { .. })
+    }
+
+    /// True for the input errors that are rejected before any SQL runs.
+    pub fn is_invalid_input(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidTable(_) | Error::InvalidMessage(_) | Error::InvalidOption(_)
+        )
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidMessage(msg.into())
+    }
+
+    /// Maps PostgreSQL's "relation does not exist" to [`Error::NotMigrated`].
+    pub(crate) fn from_db(err: diesel::result::Error, table: &str) -> Self {
+        use diesel::result::{DatabaseErrorKind, Error as DieselError};
+        if let DieselError::DatabaseError(DatabaseErrorKind::Unknown, info) = &err {
+            // 42P01 undefined_table; diesel does not expose the SQLSTATE, so match the text.
+            if info.message().contains("does not exist") && info.message().contains("relation") {
+                return Error::NotMigrated {
+                    table: table.to_owned(),
+                };
+            }
+        }
+        Error::Database(err)
+    }
+}
+
+impl<E> From<bb8::RunError<E>> for Error
+where
+    E: StdError + Send + Sync + 'static,
+{
+    fn from(err: bb8::RunError<E>) -> Self {
+        Error::Pool(Box::new(err))
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,120 @@
+//! The schema: the versioned migration runner, `sql()` for other tools, and the diesel CLI
+//! migrations of the default table.
+
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Integer};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_migrations::{EmbeddedMigrations, embed_migrations};
+
+use crate::error::{Error, Result};
+use crate::outbox::Outbox;
+
+/// The default table's migrations (`migrations/` in the crate), for diesel's own harness:
+/// `conn.run_pending_migrations(diesel_outbox::MIGRATIONS)` on a sync connection, or
+/// `diesel_async::AsyncMigrationHarness` on an async one.
+///
+/// They create exactly what [`Outbox::migrate`] creates for the default table `outbox`,
+/// and record version 1 in `outbox_migrations` too, so the two paths can be mixed. Caveats
+/// of diesel's harness: it records versions in the shared `__diesel_schema_migrations`
+/// table and takes no lock (start one migrating process at a time), and your app's
+/// `diesel migration revert` fails when the newest applied version is not in your own
+/// `migrations/` folder. [`Outbox::migrate`] avoids all three.
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+
+/// Serialises every `migrate` call on a cluster (any table name): "outbox" in ASCII.
+const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78;
+
+#[derive(QueryableByName)]
+struct VersionRow {
+    #[diesel(sql_type = Integer)]
+    version: i32,
+}
+
+impl Outbox {
+    /// Creates or upgrades the outbox table, its inbox table and their indexes.
+    ///
+    /// Safe on every start and from many processes at once: it runs in one transaction
+    /// under an advisory lock, applies only the versions missing from `<table>_migrations`,
+    /// and creates the schema of a `schema.name` table if needed.
+    ///
+    /// # Errors
+    /// [`Error::Migration`] when the database holds a newer version than this crate knows;
+    /// a database error otherwise (and nothing is changed).
+    pub async fn migrate(&self, conn: &mut AsyncPgConnection) -> Result<()> {
+        let sql = self.statements();
+        let table = self.table().to_owned();
+        conn.transaction(async |c| {
+            diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
+                .bind::<BigInt, _>(MIGRATE_LOCK)
+                .execute(c)
+                .await?;
+            if let Some(create_schema) = &sql.create_schema {
+                diesel::sql_query(create_schema.as_str()).execute(c).await?;
+            }
+            diesel::sql_query(sql.create_migrations.as_str())
+                .execute(c)
+                .await?;
+            let applied: Vec<i32> = diesel::sql_query(sql.select_versions.as_str())
+                .load::<VersionRow>(c)
+                .await?
+                .into_iter()
+                .map(|r| r.version)
+                .collect();
+            let known = i32::try_from(sql.migrations.len()).unwrap_or(i32::MAX);
+            if let Some(newer) = applied.iter().find(|v| **v > known) {
+                return Err(Error::Migration(
+                    format!(
+                        "table {table} is at schema version {newer}, newer than this crate's \
+                         {known}: upgrade diesel-outbox"
+                    )
+                    .into(),
+                ));
+            }
+            for (version, statements) in (1..).zip(&sql.migrations) {
+                if applied.contains(&version) {
+                    continue;
+                }
+                for statement in statements {
+                    diesel::sql_query(statement.as_str()).execute(c).await?;
+                }
+                diesel::sql_query(sql.record_version.as_str())
+                    .bind::<Integer, _>(version)
+                    .execute(c)
+                    .await?;
+                tracing::info!(table = %table, version, "outbox migration applied");
+            }
+            Ok::<_, Error>(())
+        })
+        .await
+    }
+
+    /// The statements [`Outbox::migrate`] runs, in order, for your own migration tool. They
+    /// are idempotent (`IF NOT EXISTS`) and record the version in `<table>_migrations`, so
+    /// `migrate` afterwards finds nothing to do. Unlike `migrate` they take no lock.
+    pub fn sql(&self) -> Vec<String> {
+        self.statements().all_migration_sql()
+    }
+
+    /// Statements that drop everything [`Outbox::sql`] creates (except a schema), for a
+    /// `down.sql`.
+    pub fn down_sql(&self) -> Vec<String> {
+        let t = &self.inner.table;
+        vec![
+            format!("DROP TABLE IF EXISTS {}", t.quoted_with("_inbox")),
+            format!("DROP TABLE IF EXISTS {}", t.quoted()),
+            format!("DROP TABLE IF EXISTS {}", t.quoted_with("_migrations")),
+        ]
+    }
+
+    /// The texts of a diesel CLI migration for this table: `(up.sql, down.sql)`. The
+    /// crate's own `migrations/` folder holds these for the default table.
+    pub fn diesel_migration(&self) -> (String, String) {
+        (sql_file(&self.sql()), sql_file(&self.down_sql()))
+    }
+}
+
+fn sql_file(statements: &[String]) -> String {
+    let mut out = statements.join(";\n\n");
+    out.push_str(";\n");
+    out
+}

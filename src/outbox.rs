@@ -1,0 +1,166 @@
+//! `Outbox`: the configuration every operation starts from.
+
+use std::fmt;
+use std::sync::{Arc, LazyLock};
+
+use crate::error::Result;
+use crate::sql::Statements;
+use crate::table::TableName;
+
+/// The default table name.
+pub const DEFAULT_TABLE: &str = "outbox";
+/// The default payload limit: 16 MiB.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
+
+/// An outbox table: its name, its limits, and every SQL statement rendered for it.
+///
+/// Cheap to clone (one `Arc`), holds configuration only and never a connection: every
+/// operation runs on the connection you pass in, inside whatever transaction it has open.
+///
+/// ```
+/// use diesel_outbox::Outbox;
+///
+/// let default = Outbox::new();
+/// assert_eq!(default.table(), "outbox");
+///
+/// let orders = Outbox::builder().table("sales.orders_outbox").build()?;
+/// assert_eq!(orders.table(), "sales.orders_outbox");
+/// # Ok::<(), diesel_outbox::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Outbox {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) table: TableName,
+    pub(crate) display: String,
+    pub(crate) sql: Statements,
+    pub(crate) max_payload_bytes: usize,
+    pub(crate) notify: bool,
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.inner.display)
+            .field("max_payload_bytes", &self.inner.max_payload_bytes)
+            .field("notify", &self.inner.notify)
+            .finish()
+    }
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox::new()
+    }
+}
+
+static DEFAULT: LazyLock<Outbox> = LazyLock::new(|| {
+    OutboxBuilder::default()
+        .build()
+        .expect("the default outbox configuration is valid")
+});
+
+impl Outbox {
+    /// The outbox on the default table `outbox`, with default limits and wake-on-commit.
+    pub fn new() -> Self {
+        DEFAULT.clone()
+    }
+
+    /// A builder for a custom table name or limits.
+    pub fn builder() -> OutboxBuilder {
+        OutboxBuilder::default()
+    }
+
+    /// The table name as configured: `name` or `schema.name`.
+    pub fn table(&self) -> &str {
+        &self.inner.display
+    }
+
+    /// The largest payload accepted by enqueue, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.inner.max_payload_bytes
+    }
+
+    /// Whether enqueue wakes relays with a NOTIFY delivered on commit.
+    pub fn notifies(&self) -> bool {
+        self.inner.notify
+    }
+
+    /// The NOTIFY channel relays LISTEN on.
+    pub fn channel(&self) -> String {
+        self.inner.table.channel()
+    }
+
+    pub(crate) fn statements(&self) -> &Statements {
+        &self.inner.sql
+    }
+}
+
+/// Builds an [`Outbox`]; see [`Outbox::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct OutboxBuilder {
+    table: String,
+    max_payload_bytes: usize,
+    notify: bool,
+}
+
+impl Default for OutboxBuilder {
+    fn default() -> Self {
+        OutboxBuilder {
+            table: DEFAULT_TABLE.to_owned(),
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            notify: true,
+        }
+    }
+}
+
+impl OutboxBuilder {
+    /// The table name: `name` or `schema.name`, each part `[a-z_][a-z0-9_]*`. The inbox
+    /// table is `<name>_inbox`, the version table `<name>_migrations`. Defaults to `outbox`.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The largest payload enqueue accepts, in bytes. Defaults to 16 MiB.
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
+        self
+    }
+
+    /// Enqueue sends no NOTIFY: relays find new messages by polling only (their
+    /// `poll_interval`). Use it behind a pooler in transaction mode, or when the cluster-wide
+    /// lock a notifying commit takes costs more than the latency it saves. Defaults to
+    /// notifying.
+    pub fn without_notify(mut self) -> Self {
+        self.notify = false;
+        self
+    }
+
+    /// Validates the table name and renders every statement for it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidTable`](crate::Error::InvalidTable) for a malformed name or one whose
+    /// derived identifiers would exceed 63 bytes;
+    /// [`Error::InvalidMessage`](crate::Error::InvalidMessage) for a zero payload limit.
+    pub fn build(self) -> Result<Outbox> {
+        let table = TableName::parse(&self.table)?;
+        if self.max_payload_bytes == 0 {
+            return Err(crate::Error::invalid(
+                "max_payload_bytes must be at least 1",
+            ));
+        }
+        Ok(Outbox {
+            inner: Arc::new(Inner {
+                display: table.display(),
+                sql: Statements::render(&table),
+                table,
+                max_payload_bytes: self.max_payload_bytes,
+                notify: self.notify,
+            }),
+        })
+    }
+}

@@ -1,0 +1,276 @@
+//! Every SQL statement the crate runs, rendered once per table name.
+//!
+//! Identifiers come only from a validated [`TableName`] and are always quoted; every value
+//! is a bound parameter. Durations are bound as microseconds (`bigint`) and turned into
+//! intervals by PostgreSQL, so all times come from the database clock.
+
+use crate::table::TableName;
+
+/// Statements of each migration version, in order. Version numbers start at 1.
+#[allow(dead_code)] // relay statements are used by the relay
+pub(crate) struct Statements {
+    /// `CREATE SCHEMA`, when the table is schema-qualified.
+    pub(crate) create_schema: Option<String>,
+    pub(crate) create_migrations: String,
+    pub(crate) select_versions: String,
+    pub(crate) record_version: String,
+    pub(crate) migrations: Vec<Vec<String>>,
+
+    pub(crate) enqueue: String,
+    pub(crate) enqueue_notify: String,
+    pub(crate) dedupe: String,
+
+    pub(crate) stats: String,
+    pub(crate) redrive: String,
+    pub(crate) dead_letters: String,
+    pub(crate) purge_sent: String,
+    pub(crate) purge_inbox: String,
+
+    pub(crate) claim: String,
+    pub(crate) record_outcomes: String,
+    pub(crate) listen: String,
+    pub(crate) notify: String,
+}
+
+/// Outcome kinds bound into [`Statements::record_outcomes`].
+pub(crate) const OUTCOME_SENT: &str = "sent";
+pub(crate) const OUTCOME_RETRY: &str = "retry";
+pub(crate) const OUTCOME_DEAD: &str = "dead";
+pub(crate) const OUTCOME_RELEASE: &str = "release";
+
+/// Beyond this many sent rows `stats` reports the planner's estimate instead of counting.
+pub(crate) const SENT_EXACT_LIMIT: i64 = 100_000;
+
+impl Statements {
+    pub(crate) fn render(table: &TableName) -> Self {
+        let t = table.quoted();
+        let inbox = table.quoted_with("_inbox");
+        let migrations_table = table.quoted_with("_migrations");
+        let o = |suffix: &str| table.object(suffix);
+
+        let v1 = vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (\n\
+                 \x20   id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {seq}),\n\
+                 \x20   idempotency_key text NOT NULL,\n\
+                 \x20   topic text NOT NULL,\n\
+                 \x20   aggregate_key text,\n\
+                 \x20   payload bytea NOT NULL,\n\
+                 \x20   content_type text,\n\
+                 \x20   headers jsonb NOT NULL DEFAULT '{{}}'::jsonb,\n\
+                 \x20   status text NOT NULL DEFAULT 'pending',\n\
+                 \x20   attempts integer NOT NULL DEFAULT 0,\n\
+                 \x20   fencing_token bigint NOT NULL DEFAULT 0,\n\
+                 \x20   available_at timestamptz NOT NULL DEFAULT now(),\n\
+                 \x20   lease_until timestamptz,\n\
+                 \x20   last_error text,\n\
+                 \x20   created_at timestamptz NOT NULL DEFAULT now(),\n\
+                 \x20   sent_at timestamptz,\n\
+                 \x20   dead_at timestamptz,\n\
+                 \x20   CONSTRAINT {pkey} PRIMARY KEY (id),\n\
+                 \x20   CONSTRAINT {unique} UNIQUE (idempotency_key),\n\
+                 \x20   CONSTRAINT {check} CHECK (status IN ('pending', 'sent', 'dead'))\n\
+                 )",
+                seq = table.quoted_with("_id_seq"),
+                pkey = o("_pkey"),
+                unique = o("_key_unique"),
+                check = o("_status_check"),
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {t} (id) WHERE status = 'pending'",
+                o("_pending_idx")
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {t} (aggregate_key, id) \
+                 WHERE status = 'pending' AND aggregate_key IS NOT NULL",
+                o("_aggregate_idx")
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {t} (sent_at) WHERE status = 'sent'",
+                o("_sent_idx")
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {t} (id) WHERE status = 'dead'",
+                o("_dead_idx")
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {inbox} (\n\
+                 \x20   consumer text NOT NULL,\n\
+                 \x20   idempotency_key text NOT NULL,\n\
+                 \x20   processed_at timestamptz NOT NULL DEFAULT now(),\n\
+                 \x20   CONSTRAINT {pkey} PRIMARY KEY (consumer, idempotency_key)\n\
+                 )",
+                pkey = o("_inbox_pkey"),
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {inbox} (processed_at)",
+                o("_inbox_processed_idx")
+            ),
+        ];
+
+        let enqueue_cte = format!(
+            "WITH m AS (\n\
+             \x20   SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], \
+             $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)\n\
+             ), dup AS (\n\
+             \x20   SELECT t.idempotency_key AS k FROM {t} t JOIN m ON t.idempotency_key = m.k\n\
+             ), ins AS (\n\
+             \x20   INSERT INTO {t} (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)\n\
+             \x20   SELECT k, topic, agg, payload, ct, headers, now() + delay_us * interval '1 microsecond'\n\
+             \x20   FROM m WHERE NOT EXISTS (SELECT 1 FROM dup)\n\
+             \x20   ON CONFLICT (idempotency_key) DO NOTHING\n\
+             \x20   RETURNING idempotency_key AS k\n\
+             )"
+        );
+        let enqueue_tail = "SELECT k AS key, true AS inserted FROM ins \
+                            UNION ALL SELECT k AS key, false AS inserted FROM dup";
+        let enqueue = format!("{enqueue_cte}\n{enqueue_tail}");
+        // pg_notify is queued in the transaction and delivered only on commit; identical
+        // notifications in one transaction collapse into one.
+        let enqueue_notify = format!(
+            "{enqueue_cte}, wake AS (\n\
+             \x20   SELECT pg_notify($8, '') FROM (SELECT 1 FROM ins LIMIT 1) AS any_ins\n\
+             )\n\
+             SELECT r.key, r.inserted FROM ({enqueue_tail}) AS r \
+             CROSS JOIN (SELECT count(*) FROM wake) AS w"
+        );
+
+        let successor = format!(
+            "EXISTS (SELECT 1 FROM {t} s WHERE s.status = 'pending' \
+             AND s.aggregate_key = t.aggregate_key AND s.id > t.id)"
+        );
+
+        Statements {
+            create_schema: table
+                .schema()
+                .map(|s| format!("CREATE SCHEMA IF NOT EXISTS \"{s}\"")),
+            create_migrations: format!(
+                "CREATE TABLE IF NOT EXISTS {migrations_table} (\n\
+                 \x20   version integer NOT NULL,\n\
+                 \x20   applied_at timestamptz NOT NULL DEFAULT now(),\n\
+                 \x20   CONSTRAINT {pkey} PRIMARY KEY (version)\n\
+                 )",
+                pkey = o("_migrations_pkey"),
+            ),
+            select_versions: format!("SELECT version FROM {migrations_table} ORDER BY version"),
+            record_version: format!(
+                "INSERT INTO {migrations_table} (version) VALUES ($1) ON CONFLICT DO NOTHING"
+            ),
+            migrations: vec![v1],
+
+            enqueue,
+            enqueue_notify,
+            dedupe: format!(
+                "INSERT INTO {inbox} (consumer, idempotency_key) VALUES ($1, $2) \
+                 ON CONFLICT DO NOTHING RETURNING true AS inserted"
+            ),
+
+            stats: format!(
+                "SELECT\n\
+                 \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
+                 AND (lease_until IS NULL OR lease_until <= now())) AS pending,\n\
+                 \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
+                 AND lease_until > now()) AS in_flight,\n\
+                 \x20   (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'sent' \
+                 LIMIT {SENT_EXACT_LIMIT}) AS s) AS sent_counted,\n\
+                 \x20   (SELECT greatest(reltuples, 0)::bigint FROM pg_class \
+                 WHERE oid = to_regclass($1)) AS sent_estimate,\n\
+                 \x20   (SELECT count(*) FROM {t} WHERE status = 'dead') AS dead,\n\
+                 \x20   (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
+                 FROM {t} WHERE status = 'pending' AND available_at <= now()) AS lag_us"
+            ),
+            redrive: format!(
+                "UPDATE {t} SET status = 'pending', attempts = 0, available_at = now(), \
+                 lease_until = NULL, dead_at = NULL \
+                 WHERE status = 'dead' AND (cardinality($1::text[]) = 0 OR idempotency_key = ANY($1)) \
+                 RETURNING idempotency_key AS key"
+            ),
+            dead_letters: format!(
+                "SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, \
+                 created_at, dead_at FROM {t} WHERE status = 'dead' ORDER BY id LIMIT $1"
+            ),
+            purge_sent: format!(
+                "WITH doomed AS MATERIALIZED (\n\
+                 \x20   SELECT id FROM {t} WHERE status = 'sent' \
+                 AND sent_at < now() - $1 * interval '1 microsecond'\n\
+                 \x20   ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED\n\
+                 )\n\
+                 DELETE FROM {t} WHERE id IN (SELECT id FROM doomed)"
+            ),
+            purge_inbox: format!(
+                "WITH doomed AS MATERIALIZED (\n\
+                 \x20   SELECT consumer, idempotency_key FROM {inbox} \
+                 WHERE processed_at < now() - $1 * interval '1 microsecond'\n\
+                 \x20   ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED\n\
+                 )\n\
+                 DELETE FROM {inbox} WHERE (consumer, idempotency_key) IN \
+                 (SELECT consumer, idempotency_key FROM doomed)"
+            ),
+
+            // $1 batch size, $2 lease (µs), $3 max attempts. A row claimed again after it
+            // has used up its attempts without an outcome (a crash loop) goes dead here.
+            claim: format!(
+                "WITH due AS MATERIALIZED (\n\
+                 \x20   SELECT id FROM {t} o\n\
+                 \x20   WHERE status = 'pending' AND available_at <= now()\n\
+                 \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
+                 \x20     AND (aggregate_key IS NULL OR NOT EXISTS (\n\
+                 \x20         SELECT 1 FROM {t} p WHERE p.status = 'pending'\n\
+                 \x20         AND p.aggregate_key = o.aggregate_key AND p.id < o.id))\n\
+                 \x20   ORDER BY id LIMIT $1\n\
+                 \x20   FOR UPDATE SKIP LOCKED\n\
+                 )\n\
+                 UPDATE {t} t SET\n\
+                 \x20   attempts = t.attempts + 1,\n\
+                 \x20   fencing_token = t.fencing_token + 1,\n\
+                 \x20   lease_until = CASE WHEN t.attempts >= $3 THEN NULL \
+                 ELSE now() + $2 * interval '1 microsecond' END,\n\
+                 \x20   status = CASE WHEN t.attempts >= $3 THEN 'dead' ELSE 'pending' END,\n\
+                 \x20   dead_at = CASE WHEN t.attempts >= $3 THEN now() END,\n\
+                 \x20   last_error = CASE WHEN t.attempts >= $3 \
+                 THEN 'claimed ' || (t.attempts + 1) || ' times without an outcome \
+                 (relay crashed or lease expired); max_attempts is ' || $3 \
+                 ELSE t.last_error END\n\
+                 FROM due WHERE t.id = due.id\n\
+                 RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, \
+                 t.content_type, t.headers, t.attempts, t.fencing_token, t.created_at, t.status"
+            ),
+            // One statement for every outcome of a batch, fenced by token and status: a
+            // relay whose lease was taken over updates nothing.
+            record_outcomes: format!(
+                "UPDATE {t} t SET\n\
+                 \x20   status = CASE o.kind WHEN '{OUTCOME_SENT}' THEN 'sent' \
+                 WHEN '{OUTCOME_DEAD}' THEN 'dead' ELSE 'pending' END,\n\
+                 \x20   sent_at = CASE WHEN o.kind = '{OUTCOME_SENT}' THEN now() ELSE t.sent_at END,\n\
+                 \x20   dead_at = CASE WHEN o.kind = '{OUTCOME_DEAD}' THEN now() ELSE t.dead_at END,\n\
+                 \x20   available_at = CASE WHEN o.kind = '{OUTCOME_RETRY}' \
+                 THEN now() + o.delay_us * interval '1 microsecond' ELSE t.available_at END,\n\
+                 \x20   attempts = CASE WHEN o.kind = '{OUTCOME_RELEASE}' \
+                 THEN greatest(t.attempts - 1, 0) ELSE t.attempts END,\n\
+                 \x20   last_error = CASE WHEN o.kind IN ('{OUTCOME_RETRY}', '{OUTCOME_DEAD}') \
+                 THEN o.err ELSE t.last_error END,\n\
+                 \x20   lease_until = NULL\n\
+                 FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::bigint[], $5::text[]) \
+                 AS o(id, token, kind, delay_us, err)\n\
+                 WHERE t.id = o.id AND t.fencing_token = o.token AND t.status = 'pending'\n\
+                 RETURNING t.id, (o.kind = '{OUTCOME_SENT}' AND t.aggregate_key IS NOT NULL \
+                 AND {successor}) AS has_successor"
+            ),
+            listen: format!("LISTEN \"{}\"", table.channel()),
+            notify: "SELECT pg_notify($1, '')".to_owned(),
+        }
+    }
+
+    /// The statements a user's own migration tool should run, in order: the schema (if
+    /// any), the version table, every migration, and the version records.
+    pub(crate) fn all_migration_sql(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        out.extend(self.create_schema.clone());
+        out.push(self.create_migrations.clone());
+        for (i, statements) in self.migrations.iter().enumerate() {
+            out.extend(statements.iter().cloned());
+            out.push(self.record_version.replace("$1", &(i + 1).to_string()));
+        }
+        out
+    }
+}

@@ -1,0 +1,119 @@
+//! Shared test fixtures: the environment contract and per-test isolation.
+//!
+//! Tests use `DATABASE_URL` (default: the local `test` database) and `AMQP_URL` (default:
+//! the local broker). Each test works in a schema of its own, dropped when the fixture
+//! drops, so tests run in parallel and repeatedly without seeing each other's rows.
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::{Duration, Instant};
+
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
+}
+
+/// Connects, or fails with a message that says what to start.
+pub async fn connect() -> AsyncPgConnection {
+    match AsyncPgConnection::establish(&database_url()).await {
+        Ok(conn) => conn,
+        Err(e) => panic!(
+            "PostgreSQL is not reachable ({e}). Start the local server with \
+             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+             or point DATABASE_URL at one."
+        ),
+    }
+}
+
+/// A schema of the test's own. Unqualified names (the default table `outbox`) resolve to
+/// it on connections from [`TestSchema::connect`].
+pub struct TestSchema {
+    pub name: String,
+    extra: Vec<String>,
+}
+
+impl TestSchema {
+    pub async fn new() -> Self {
+        let name = unique("t");
+        let mut conn = connect().await;
+        conn.batch_execute(&format!("CREATE SCHEMA \"{name}\""))
+            .await
+            .expect("create test schema");
+        TestSchema {
+            name,
+            extra: Vec::new(),
+        }
+    }
+
+    /// A connection whose `search_path` is this schema.
+    pub async fn connect(&self) -> AsyncPgConnection {
+        let mut conn = connect().await;
+        conn.batch_execute(&format!("SET search_path TO \"{}\"", self.name))
+            .await
+            .expect("set search_path");
+        conn
+    }
+
+    /// `schema.name` in this schema.
+    pub fn table(&self, name: &str) -> String {
+        format!("{}.{name}", self.name)
+    }
+
+    /// Another schema name, dropped with this fixture (not created: `migrate` does that).
+    pub fn other_schema(&mut self) -> String {
+        let name = unique("u");
+        self.extra.push(name.clone());
+        name
+    }
+}
+
+impl Drop for TestSchema {
+    fn drop(&mut self) {
+        let mut schemas = self.extra.clone();
+        schemas.push(self.name.clone());
+        let sql: String = schemas
+            .iter()
+            .map(|s| format!("DROP SCHEMA IF EXISTS \"{s}\" CASCADE;"))
+            .collect();
+        // Runs on its own thread and runtime so it also works while a test unwinds.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                if let Ok(mut conn) = AsyncPgConnection::establish(&database_url()).await {
+                    let _ = conn.batch_execute(&sql).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A lowercase name unique to this process and call.
+pub fn unique(prefix: &str) -> String {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}_{}", &id[..16])
+}
+
+/// Polls `check` until it returns `Some`, or panics after `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

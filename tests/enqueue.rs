@@ -1,0 +1,520 @@
+//! Enqueue, dedupe and wake-on-commit against the real PostgreSQL.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::TestSchema;
+use diesel::QueryableByName;
+use diesel::connection::InstrumentationEvent;
+use diesel::sql_types::{BigInt, Bool, Bytea, Jsonb, Nullable, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::{DedupeExt, EnqueueExt, Error, Message, Outbox};
+use futures_util::StreamExt;
+
+#[derive(QueryableByName, Debug)]
+struct Row {
+    #[diesel(sql_type = Text)]
+    idempotency_key: String,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    aggregate_key: Option<String>,
+    #[diesel(sql_type = Bytea)]
+    payload: Vec<u8>,
+    #[diesel(sql_type = Nullable<Text>)]
+    content_type: Option<String>,
+    #[diesel(sql_type = Jsonb)]
+    headers: serde_json::Value,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = Bool)]
+    due: bool,
+}
+
+async fn rows(conn: &mut AsyncPgConnection, table: &str) -> Vec<Row> {
+    diesel::sql_query(format!(
+        "SELECT idempotency_key, topic, aggregate_key, payload, content_type, headers, status, \
+         available_at <= now() AS due FROM {table} ORDER BY id"
+    ))
+    .load(conn)
+    .await
+    .unwrap()
+}
+
+/// How many statements a connection has sent since [`count_queries`].
+struct Queries(Arc<AtomicUsize>);
+
+impl Queries {
+    fn get(&self) -> usize {
+        AtomicUsize::load(&self.0, Ordering::SeqCst)
+    }
+}
+
+fn count_queries(conn: &mut AsyncPgConnection) -> Queries {
+    let n = Arc::new(AtomicUsize::new(0));
+    let counter = n.clone();
+    conn.set_instrumentation(move |event: InstrumentationEvent<'_>| {
+        if let InstrumentationEvent::StartQuery { .. } = event {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    Queries(n)
+}
+
+async fn migrated(schema: &TestSchema) -> (AsyncPgConnection, Outbox) {
+    let mut conn = schema.connect().await;
+    let outbox = Outbox::new();
+    outbox.migrate(&mut conn).await.unwrap();
+    (conn, outbox)
+}
+
+#[tokio::test]
+async fn missing_key_becomes_lowercase_uuid_v4_and_given_key_is_kept() {
+    let schema = TestSchema::new().await;
+    let (mut conn, _) = migrated(&schema).await;
+
+    let generated = conn.enqueue(Message::new("t", "a")).await.unwrap();
+    let parsed = uuid::Uuid::parse_str(&generated).unwrap();
+    assert_eq!(parsed.get_version_num(), 4);
+    assert_eq!(generated, generated.to_lowercase());
+    assert_eq!(generated.len(), 36, "hyphenated form: {generated}");
+
+    let given = conn
+        .enqueue(Message::new("t", "b").key("Order-42"))
+        .await
+        .unwrap();
+    assert_eq!(given, "Order-42");
+
+    let keys: Vec<String> = rows(&mut conn, "outbox")
+        .await
+        .into_iter()
+        .map(|r| r.idempotency_key)
+        .collect();
+    assert_eq!(keys, vec![generated, given]);
+}
+
+#[tokio::test]
+async fn every_field_is_stored() {
+    let schema = TestSchema::new().await;
+    let (mut conn, _) = migrated(&schema).await;
+    let msg = Message::json("order.created", &serde_json::json!({"id": 7}))
+        .unwrap()
+        .key("k1")
+        .aggregate_key("order-7")
+        .header("tenant", "acme")
+        .header("trace", "abc");
+    conn.enqueue(msg).await.unwrap();
+    conn.enqueue(Message::new("raw", vec![0u8, 159, 255]).content_type("application/x-bin"))
+        .await
+        .unwrap();
+
+    let rows = rows(&mut conn, "outbox").await;
+    assert_eq!(rows.len(), 2);
+    let r = &rows[0];
+    assert_eq!(r.idempotency_key, "k1");
+    assert_eq!(r.topic, "order.created");
+    assert_eq!(r.aggregate_key.as_deref(), Some("order-7"));
+    assert_eq!(r.payload, br#"{"id":7}"#);
+    assert_eq!(r.content_type.as_deref(), Some("application/json"));
+    assert_eq!(
+        r.headers,
+        serde_json::json!({"tenant": "acme", "trace": "abc"})
+    );
+    assert_eq!(r.status, "pending");
+    assert!(r.due);
+    assert_eq!(rows[1].payload, vec![0u8, 159, 255]);
+    assert_eq!(rows[1].aggregate_key, None);
+    assert_eq!(rows[1].headers, serde_json::json!({}));
+}
+
+#[tokio::test]
+async fn duplicate_key_leaves_the_transaction_usable() {
+    let schema = TestSchema::new().await;
+    let (mut conn, outbox) = migrated(&schema).await;
+
+    conn.transaction(async |c| {
+        c.enqueue(Message::new("t", "1").key("same")).await?;
+        let err = c
+            .enqueue(Message::new("t", "2").key("same"))
+            .await
+            .unwrap_err();
+        assert!(err.is_duplicate_key(), "{err}");
+        assert!(
+            matches!(&err, Error::DuplicateKey { keys } if keys == &["same"]),
+            "{err:?}"
+        );
+        c.enqueue(Message::new("t", "3").key("other")).await?;
+        Ok::<_, Error>(())
+    })
+    .await
+    .expect("the transaction commits after a duplicate");
+
+    let stats = outbox.stats(&mut conn).await.unwrap();
+    assert_eq!(stats.pending, 2);
+    let payloads: Vec<Vec<u8>> = rows(&mut conn, "outbox")
+        .await
+        .into_iter()
+        .map(|r| r.payload)
+        .collect();
+    assert_eq!(payloads, vec![b"1".to_vec(), b"3".to_vec()]);
+}
+
+#[tokio::test]
+async fn rolled_back_transaction_leaves_no_row() {
+    let schema = TestSchema::new().await;
+    let (mut conn, outbox) = migrated(&schema).await;
+
+    let result = conn
+        .transaction(async |c| {
+            c.enqueue(Message::new("t", "x").key("ghost")).await?;
+            Err::<(), _>(Error::InvalidMessage("business rule failed".into()))
+        })
+        .await;
+    assert!(result.is_err());
+    assert!(rows(&mut conn, "outbox").await.is_empty());
+    assert_eq!(outbox.stats(&mut conn).await.unwrap().pending, 0);
+}
+
+#[tokio::test]
+async fn enqueue_many_is_one_round_trip_and_reports_duplicates() {
+    let schema = TestSchema::new().await;
+    let (mut conn, outbox) = migrated(&schema).await;
+    let queries = count_queries(&mut conn);
+
+    let msgs: Vec<Message> = (0..50)
+        .map(|i| Message::new("bulk", format!("{i}")).key(format!("k{i}")))
+        .collect();
+    let keys = conn.enqueue_many(msgs).await.unwrap();
+    assert_eq!(queries.get(), 1, "one statement for 50 messages");
+    assert_eq!(keys, (0..50).map(|i| format!("k{i}")).collect::<Vec<_>>());
+    assert_eq!(rows(&mut conn, "outbox").await.len(), 50);
+
+    // Two duplicates among new keys: all are reported and nothing is written.
+    let err = outbox
+        .enqueue_many(
+            &mut conn,
+            vec![
+                Message::new("bulk", "n").key("new-1"),
+                Message::new("bulk", "d").key("k3"),
+                Message::new("bulk", "d").key("k7"),
+            ],
+        )
+        .await
+        .unwrap_err();
+    match err {
+        Error::DuplicateKey { keys } => assert_eq!(keys, vec!["k3", "k7"]),
+        other => panic!("expected DuplicateKey, got {other:?}"),
+    }
+    let after = rows(&mut conn, "outbox").await;
+    assert_eq!(after.len(), 50);
+    assert!(after.iter().all(|r| r.idempotency_key != "new-1"));
+
+    // A key repeated inside one call is bad input, rejected before SQL.
+    let before = queries.get();
+    let err = conn
+        .enqueue_many(vec![
+            Message::new("t", "a").key("twice"),
+            Message::new("t", "b").key("twice"),
+        ])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+    assert_eq!(queries.get(), before);
+
+    assert!(conn.enqueue_many(Vec::new()).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn bad_messages_are_rejected_before_any_sql() {
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("small"))
+        .max_payload_bytes(8)
+        .build()
+        .unwrap();
+    outbox.migrate(&mut conn).await.unwrap();
+    let queries = count_queries(&mut conn);
+
+    let mut many_headers = Message::new("t", "x");
+    for i in 0..65 {
+        many_headers = many_headers.header(format!("h{i}"), "v");
+    }
+    let cases = vec![
+        ("empty topic", Message::new("", "x")),
+        ("payload over the limit", Message::new("t", "123456789")),
+        (
+            "absurd delay",
+            Message::new("t", "x").delay(Duration::from_secs(400 * 86_400)),
+        ),
+        ("65 headers", many_headers),
+        (
+            "long header name",
+            Message::new("t", "x").header("h".repeat(256), "v"),
+        ),
+        (
+            "reserved header",
+            Message::new("t", "x").header("x-outbox-attempt", "9"),
+        ),
+        (
+            "CC header",
+            Message::new("t", "x").header("CC", "elsewhere"),
+        ),
+        (
+            "BCC header",
+            Message::new("t", "x").header("Bcc", "elsewhere"),
+        ),
+        ("empty key", Message::new("t", "x").key("")),
+        ("NUL in key", Message::new("t", "x").key("a\0b")),
+    ];
+    for (what, msg) in cases {
+        let err = outbox.enqueue(&mut conn, msg).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidMessage(_)), "{what}: {err:?}");
+        assert!(err.is_invalid_input());
+    }
+    for (consumer, key) in [("", "k"), ("c", ""), ("c", &"k".repeat(300))] {
+        let err = outbox.dedupe(&mut conn, consumer, key).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidMessage(_)), "{err:?}");
+    }
+    assert_eq!(queries.get(), 0, "no SQL ran for bad input");
+    assert!(rows(&mut conn, &schema.table("small")).await.is_empty());
+
+    // The limit is inclusive.
+    outbox
+        .enqueue(&mut conn, Message::new("t", "12345678"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn payloads_do_not_appear_in_errors() {
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("secret"))
+        .max_payload_bytes(4)
+        .build()
+        .unwrap();
+    let err = outbox
+        .enqueue(&mut conn, Message::new("t", "top-secret-payload"))
+        .await
+        .unwrap_err();
+    let shown = format!("{err} {err:?}");
+    assert!(!shown.contains("top-secret"), "{shown}");
+}
+
+#[tokio::test]
+async fn missing_table_says_to_migrate() {
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let err = conn.enqueue(Message::new("t", "x")).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    assert!(err.to_string().contains("run `migrate` first"), "{err}");
+}
+
+#[tokio::test]
+async fn dedupe_is_first_time_only_rolls_back_and_is_per_consumer() {
+    let schema = TestSchema::new().await;
+    let (mut conn, _) = migrated(&schema).await;
+
+    assert!(conn.dedupe("invoicing", "k1").await.unwrap());
+    assert!(!conn.dedupe("invoicing", "k1").await.unwrap());
+    assert!(conn.dedupe("shipping", "k1").await.unwrap(), "per consumer");
+
+    let rolled_back = conn
+        .transaction(async |c| {
+            assert!(c.dedupe("invoicing", "k2").await?);
+            Err::<(), _>(Error::InvalidMessage("effect failed".into()))
+        })
+        .await;
+    assert!(rolled_back.is_err());
+    assert!(
+        conn.dedupe("invoicing", "k2").await.unwrap(),
+        "a rolled-back record is gone"
+    );
+    assert!(!conn.dedupe("invoicing", "k2").await.unwrap());
+}
+
+#[tokio::test]
+async fn dedupe_works_on_pooled_connections() {
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    use diesel_async::pooled_connection::bb8::Pool;
+
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("pooled"))
+        .build()
+        .unwrap();
+    outbox.migrate(&mut conn).await.unwrap();
+
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(common::database_url());
+    let pool = Pool::builder().max_size(2).build(manager).await.unwrap();
+    let mut pooled = pool.get().await.unwrap();
+    let key = outbox
+        .enqueue(&mut pooled, Message::new("t", "x"))
+        .await
+        .unwrap();
+    assert!(outbox.dedupe(&mut pooled, "c", &key).await.unwrap());
+    assert!(!outbox.dedupe(&mut pooled, "c", &key).await.unwrap());
+    // The extension traits reach through the pool's smart pointer too.
+    pooled
+        .batch_execute(&format!("SET search_path TO \"{}\"", schema.name))
+        .await
+        .unwrap();
+    Outbox::new().migrate(&mut pooled).await.unwrap();
+    let key = pooled.enqueue(Message::new("t", "x")).await.unwrap();
+    assert!(pooled.dedupe("c", &key).await.unwrap());
+}
+
+#[tokio::test]
+async fn delayed_message_is_not_due_before_its_delay() {
+    let schema = TestSchema::new().await;
+    let (mut conn, outbox) = migrated(&schema).await;
+    conn.enqueue(Message::new("t", "later").delay(Duration::from_secs(3600)))
+        .await
+        .unwrap();
+    conn.enqueue(Message::new("t", "now")).await.unwrap();
+    let due: Vec<bool> = rows(&mut conn, "outbox")
+        .await
+        .into_iter()
+        .map(|r| r.due)
+        .collect();
+    assert_eq!(due, vec![false, true]);
+
+    #[derive(QueryableByName)]
+    struct Delay {
+        #[diesel(sql_type = BigInt)]
+        secs: i64,
+    }
+    let d: Delay = diesel::sql_query(
+        "SELECT extract(epoch FROM available_at - created_at)::bigint AS secs FROM outbox ORDER BY id LIMIT 1",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(d.secs, 3600);
+    // Delayed rows count as pending but add no lag until due.
+    let stats = outbox.stats(&mut conn).await.unwrap();
+    assert_eq!(stats.pending, 2);
+}
+
+#[tokio::test]
+async fn notify_is_delivered_on_commit_only_and_can_be_turned_off() {
+    let schema = TestSchema::new().await;
+    let mut writer = schema.connect().await;
+    let loud = Outbox::builder()
+        .table(schema.table("loud"))
+        .build()
+        .unwrap();
+    let quiet = Outbox::builder()
+        .table(schema.table("loud"))
+        .without_notify()
+        .build()
+        .unwrap();
+    loud.migrate(&mut writer).await.unwrap();
+
+    let mut listener = common::connect().await;
+    listener
+        .batch_execute(&format!("LISTEN \"{}\"", loud.channel()))
+        .await
+        .unwrap();
+
+    writer.batch_execute("BEGIN").await.unwrap();
+    loud.enqueue(&mut writer, Message::new("t", "a"))
+        .await
+        .unwrap();
+    loud.enqueue(&mut writer, Message::new("t", "b"))
+        .await
+        .unwrap();
+    {
+        let mut stream = std::pin::pin!(listener.notifications_stream());
+        let early = tokio::time::timeout(Duration::from_millis(300), stream.next()).await;
+        assert!(early.is_err(), "no notification before commit");
+    }
+    writer.batch_execute("COMMIT").await.unwrap();
+    {
+        let mut stream = std::pin::pin!(listener.notifications_stream());
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("woken on commit")
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.channel, loud.channel());
+    }
+
+    // Without notify: the next notification seen is a marker sent afterwards.
+    quiet
+        .enqueue(&mut writer, Message::new("t", "c"))
+        .await
+        .unwrap();
+    diesel::sql_query("SELECT pg_notify($1, 'marker')")
+        .bind::<Text, _>(loud.channel())
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    let seen = {
+        let mut stream = std::pin::pin!(listener.notifications_stream());
+        tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("the marker arrives")
+            .unwrap()
+            .unwrap()
+            .payload
+    };
+    assert_eq!(seen, "marker", "enqueue without notify sent nothing");
+}
+
+#[cfg(feature = "sync")]
+mod sync_flavour {
+    use diesel::{Connection, PgConnection, RunQueryDsl};
+    use diesel_outbox::sync::{DedupeExt, EnqueueExt};
+    use diesel_outbox::{Error, Message, Outbox};
+
+    use super::{TestSchema, common, rows};
+
+    #[test]
+    fn sync_connection_enqueues_inside_its_transaction() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let schema = rt.block_on(TestSchema::new());
+        rt.block_on(async {
+            let mut conn = schema.connect().await;
+            Outbox::new().migrate(&mut conn).await.unwrap();
+        });
+
+        let mut conn = PgConnection::establish(&common::database_url()).unwrap();
+        diesel::sql_query(format!("SET search_path TO \"{}\"", schema.name))
+            .execute(&mut conn)
+            .unwrap();
+        let key = conn
+            .transaction(|c| {
+                let key = c.enqueue(Message::new("sync.topic", "payload"))?;
+                let err = c
+                    .enqueue(Message::new("sync.topic", "again").key(key.clone()))
+                    .unwrap_err();
+                assert!(err.is_duplicate_key());
+                assert!(c.dedupe("sync-consumer", &key)?);
+                assert!(!c.dedupe("sync-consumer", &key)?);
+                Ok::<_, Error>(key)
+            })
+            .unwrap();
+        let rolled_back: Result<(), Error> = conn.transaction(|c| {
+            c.enqueue_many(vec![Message::new("t", "x").key("sync-ghost")])?;
+            Err(Error::InvalidMessage("rollback".into()))
+        });
+        assert!(rolled_back.is_err());
+
+        let keys: Vec<String> = rt.block_on(async {
+            let mut conn = schema.connect().await;
+            rows(&mut conn, "outbox")
+                .await
+                .into_iter()
+                .map(|r| r.idempotency_key)
+                .collect()
+        });
+        assert_eq!(keys, vec![key]);
+    }
+}
