@@ -48,6 +48,33 @@
 //! configuration only. All SQL text for a table is rendered once, when the `Outbox` is
 //! built; identifiers are validated and quoted, values are always bound parameters.
 //!
+//! # The relay
+//! [`Outbox::relay`] builds a [`Relay`] on a bb8 pool ([`PgPool`]) and a [`Publisher`]
+//! (the RabbitMQ one, or your own through [`publisher_fn`]). Each cycle:
+//! 1. **claims** up to `batch_size` due rows in one statement (`FOR UPDATE SKIP LOCKED`, so
+//!    relays pass over each other), stamping a lease and incrementing the attempt count and
+//!    the fencing token. Of an aggregate only the oldest pending row can be claimed;
+//! 2. **publishes** outside any transaction, holding no connection: one by one up to
+//!    `concurrency` at a time, or the whole batch at once for a pipelining publisher;
+//! 3. **records** every outcome of the batch in one statement fenced by token and status:
+//!    sent, retry (capped exponential backoff with jitter), or dead (after `max_attempts`,
+//!    or a permanent error).
+//!
+//! A full batch, or a sent row with pending successors in its aggregate, starts the next
+//! cycle at once. Otherwise the relay sleeps until a NOTIFY (held on a dedicated connection
+//! that reconnects by itself) or `poll_interval`. A row that keeps crashing or hanging relays
+//! goes dead once claimed more than `max_attempts` times; a row that cannot be decoded dies
+//! alone. Shutdown ([`Relay::run_until`]) drains publishes under way and releases the rest
+//! without spending their attempts. Times always come from the database clock.
+//!
+//! Hazards, stated plainly:
+//! - Delivery is at least once: a crash between the broker's confirm and the outcome's
+//!   commit, or a publish slower than the `lease`, publishes the same key again.
+//! - A dead letter stops blocking its aggregate: later messages of that aggregate go out,
+//!   and a redriven dead letter is published after them, out of order.
+//! - Ids of concurrent transactions commit out of order, so serialise the writers of one
+//!   aggregate (a row lock on the aggregate) if its order matters.
+//!
 //! # Features
 //! - `sync`: the [`sync`] module, for `diesel::PgConnection` (links libpq).
 //! - `rabbitmq`: the RabbitMQ publisher (lapin).
@@ -71,8 +98,11 @@ mod admin;
 mod enqueue;
 mod error;
 mod message;
+mod metrics;
 mod migrate;
 mod outbox;
+mod publisher;
+mod relay;
 pub mod schema;
 mod sql;
 #[cfg(feature = "sync")]
@@ -83,5 +113,10 @@ pub use crate::admin::{DeadLetter, Stats};
 pub use crate::enqueue::{DedupeExt, EnqueueExt};
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::message::Message;
+pub use crate::metrics::{Metrics, NoMetrics};
 pub use crate::migrate::MIGRATIONS;
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_TABLE, Outbox, OutboxBuilder};
+pub use crate::publisher::{
+    BatchResults, FnPublisher, PublishError, Publisher, Record, publisher_fn,
+};
+pub use crate::relay::{PgPool, Relay, RelayBuilder};

@@ -7,7 +7,6 @@
 use crate::table::TableName;
 
 /// Statements of each migration version, in order. Version numbers start at 1.
-#[allow(dead_code)] // relay statements are used by the relay
 pub(crate) struct Statements {
     /// `CREATE SCHEMA`, when the table is schema-qualified.
     pub(crate) create_schema: Option<String>,
@@ -29,7 +28,6 @@ pub(crate) struct Statements {
     pub(crate) claim: String,
     pub(crate) record_outcomes: String,
     pub(crate) listen: String,
-    pub(crate) notify: String,
 }
 
 /// Outcome kinds bound into [`Statements::record_outcomes`].
@@ -257,7 +255,6 @@ impl Statements {
                  AND {successor}) AS has_successor"
             ),
             listen: format!("LISTEN \"{}\"", table.channel()),
-            notify: "SELECT pg_notify($1, '')".to_owned(),
         }
     }
 

@@ -117,3 +117,15 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A small pool for relays, without the per-checkout test query.
+pub async fn pool(size: u32) -> diesel_outbox::PgPool {
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url());
+    diesel_outbox::PgPool::builder()
+        .max_size(size)
+        .test_on_check_out(false)
+        .build(manager)
+        .await
+        .expect("pool")
+}

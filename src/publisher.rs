@@ -1,0 +1,201 @@
+//! What the relay publishes to: the `Publisher` trait, its errors, and the `Record` it gets.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+
+use chrono::{DateTime, Utc};
+use futures_util::Stream;
+
+use crate::error::BoxError;
+
+/// One claimed message, as handed to a [`Publisher`].
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Record {
+    /// Row id: enqueue order.
+    pub id: i64,
+    /// The idempotency key, the same on every attempt.
+    pub key: String,
+    /// The topic (routing key).
+    pub topic: String,
+    /// The aggregate key, if any.
+    pub aggregate_key: Option<String>,
+    /// The message body.
+    pub payload: Vec<u8>,
+    /// The content type, if any.
+    pub content_type: Option<String>,
+    /// User headers.
+    pub headers: BTreeMap<String, String>,
+    /// This attempt's number, from 1.
+    pub attempt: u32,
+    /// Enqueue time (database clock).
+    pub created_at: DateTime<Utc>,
+}
+
+impl fmt::Debug for Record {
+    // Payloads and header values may hold personal data: never print them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Record")
+            .field("id", &self.id)
+            .field("key", &self.key)
+            .field("topic", &self.topic)
+            .field("aggregate_key", &self.aggregate_key)
+            .field("payload_len", &self.payload.len())
+            .field("content_type", &self.content_type)
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("attempt", &self.attempt)
+            .field("created_at", &self.created_at)
+            .finish()
+    }
+}
+
+/// Why a publish failed, and whether trying again can help.
+#[derive(Debug)]
+pub struct PublishError {
+    permanent: bool,
+    source: BoxError,
+}
+
+impl PublishError {
+    /// A failure that may pass: the message is retried with backoff, and becomes a dead
+    /// letter once `max_attempts` are used.
+    pub fn transient(err: impl Into<BoxError>) -> Self {
+        PublishError {
+            permanent: false,
+            source: err.into(),
+        }
+    }
+
+    /// A failure that retrying cannot fix: the message becomes a dead letter at once.
+    pub fn permanent(err: impl Into<BoxError>) -> Self {
+        PublishError {
+            permanent: true,
+            source: err.into(),
+        }
+    }
+
+    /// True for [`PublishError::permanent`].
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+}
+
+impl fmt::Display for PublishError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = if self.permanent {
+            "permanent"
+        } else {
+            "transient"
+        };
+        write!(f, "{kind} publish failure: {}", self.source)?;
+        let mut source = self.source.source();
+        while let Some(inner) = source {
+            write!(f, ": {inner}")?;
+            source = inner.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PublishError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+/// Results of a pipelined batch: `(index into the batch, result)`, in any order.
+pub type BatchResults<'a> =
+    Pin<Box<dyn Stream<Item = (usize, Result<(), PublishError>)> + Send + 'a>>;
+
+/// Where the relay ships messages: a broker adapter, or your own code.
+///
+/// `publish` must return `Ok` only once the broker has taken responsibility for the message
+/// (for RabbitMQ: the publisher confirm). The relay publishes outside any transaction and
+/// holds no database connection meanwhile. Delivery is at least once: after a crash, a lost
+/// connection or an expired lease the same record (same key) is published again.
+///
+/// ```
+/// use diesel_outbox::{PublishError, Publisher, Record};
+///
+/// struct Stdout;
+///
+/// impl Publisher for Stdout {
+///     async fn publish(&self, record: &Record) -> Result<(), PublishError> {
+///         if record.topic.is_empty() {
+///             return Err(PublishError::permanent("no topic"));
+///         }
+///         eprintln!("{} {}", record.topic, record.key);
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait Publisher: Send + Sync + 'static {
+    /// Publishes one record; `Ok` once the broker confirmed it.
+    fn publish(&self, record: &Record) -> impl Future<Output = Result<(), PublishError>> + Send;
+
+    /// Publishes a whole claimed batch at once, for brokers that pipeline (send everything,
+    /// then await every confirm). Yields one result per record as confirms arrive.
+    ///
+    /// The default returns `None`: the relay then calls [`Publisher::publish`] per record,
+    /// up to its `concurrency` at a time, and on shutdown does not start the records it has
+    /// not started yet. A pipelined batch counts as started as a whole.
+    ///
+    /// A batch never holds two records of the same aggregate, so all of them may go out at
+    /// once without breaking per-aggregate order.
+    fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
+        let _ = records;
+        None
+    }
+}
+
+/// A [`Publisher`] made from a closure; see [`publisher_fn`].
+pub struct FnPublisher<F> {
+    f: F,
+}
+
+impl<F> fmt::Debug for FnPublisher<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FnPublisher")
+    }
+}
+
+/// Adapts a closure that takes an owned [`Record`] into a [`Publisher`].
+///
+/// ```
+/// use diesel_outbox::{PublishError, publisher_fn};
+///
+/// let publisher = publisher_fn(|record| async move {
+///     tracing::info!(key = %record.key, "would publish");
+///     Ok::<_, PublishError>(())
+/// });
+/// # let _ = publisher;
+/// ```
+pub fn publisher_fn<F, Fut>(f: F) -> FnPublisher<F>
+where
+    F: Fn(Record) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), PublishError>> + Send,
+{
+    FnPublisher { f }
+}
+
+impl<F, Fut> Publisher for FnPublisher<F>
+where
+    F: Fn(Record) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), PublishError>> + Send,
+{
+    fn publish(&self, record: &Record) -> impl Future<Output = Result<(), PublishError>> + Send {
+        (self.f)(record.clone())
+    }
+}
+
+impl<P: Publisher> Publisher for std::sync::Arc<P> {
+    fn publish(&self, record: &Record) -> impl Future<Output = Result<(), PublishError>> + Send {
+        (**self).publish(record)
+    }
+
+    fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
+        (**self).publish_batch(records)
+    }
+}

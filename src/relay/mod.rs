@@ -1,0 +1,522 @@
+//! The relay loop: claim a batch, publish it outside any transaction, record the outcomes.
+
+mod janitor;
+mod listener;
+mod options;
+mod store;
+
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+use futures_util::future::FusedFuture;
+use futures_util::stream::{self, BoxStream};
+use futures_util::{FutureExt, StreamExt};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::metrics::{Metrics, NoMetrics};
+use crate::outbox::Outbox;
+use crate::publisher::{PublishError, Publisher, Record};
+
+use self::listener::Wake;
+use self::options::Options;
+use self::store::{Batch, Claimed, Outcome};
+
+/// The connection pool a relay takes its connections from.
+///
+/// bb8 tests each checkout with a round trip by default; for the relay's hot path build it
+/// with `.test_on_check_out(false)` (broken connections are still detected and replaced).
+pub type PgPool = diesel_async::pooled_connection::bb8::Pool<AsyncPgConnection>;
+
+impl Outbox {
+    /// A relay for this table, publishing through `publisher`, with connections from
+    /// `pool`. See [`RelayBuilder`] for the options.
+    pub fn relay<P: Publisher>(&self, pool: PgPool, publisher: P) -> RelayBuilder<P> {
+        RelayBuilder {
+            outbox: self.clone(),
+            pool,
+            publisher,
+            options: Options::default(),
+            metrics: Arc::new(NoMetrics),
+        }
+    }
+}
+
+/// Configures a [`Relay`]; from [`Outbox::relay`].
+#[must_use]
+pub struct RelayBuilder<P> {
+    outbox: Outbox,
+    pool: PgPool,
+    publisher: P,
+    options: Options,
+    metrics: Arc<dyn Metrics>,
+}
+
+impl<P> std::fmt::Debug for RelayBuilder<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayBuilder")
+            .field("outbox", &self.outbox)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Publisher> RelayBuilder<P> {
+    /// Rows claimed per cycle (1 to 10,000). A full batch starts the next cycle at once.
+    /// Defaults to 100.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.options.batch_size = n;
+        self
+    }
+
+    /// Records published at once when the publisher publishes one by one (1 to 1,024);
+    /// a pipelining publisher gets the whole batch instead. Defaults to 4.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.options.concurrency = n;
+        self
+    }
+
+    /// How long a claim is exclusive (100 ms to 1 day). After it another relay may claim
+    /// the row again, and this relay's late outcome is discarded (fencing). Make it longer
+    /// than a publish can take. Defaults to 30 s.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.options.lease = lease;
+        self
+    }
+
+    /// How often the relay looks for work without being woken (10 ms to 1 day): backoff
+    /// expiries, delayed messages, expired leases, and anything committed while it was not
+    /// listening. Defaults to 2 s.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.options.poll_interval = interval;
+        self
+    }
+
+    /// Attempts before a message becomes a dead letter (1 to 1,000). A row claimed this many
+    /// times without any outcome (the relay crashed or hung each time) also goes dead on
+    /// its next claim. Defaults to 10.
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.options.max_attempts = n;
+        self
+    }
+
+    /// Retry delay after a transient failure: `min` doubled per attempt, capped at `max`,
+    /// with jitter between half and all of it. Defaults to 1 s and 5 min.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.options.backoff_min = min;
+        self.options.backoff_max = max;
+        self
+    }
+
+    /// On shutdown, how long publishes under way may take to finish (at most 1 hour); the
+    /// rest are released without spending an attempt. Defaults to 10 s.
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.options.drain_timeout = timeout;
+        self
+    }
+
+    /// Do not LISTEN for wake-ups: find work by polling only. Use it behind a pooler in
+    /// transaction mode. Defaults to listening on a dedicated connection.
+    pub fn without_notify(mut self) -> Self {
+        self.options.listen = false;
+        self
+    }
+
+    /// Hooks for your metrics system. Defaults to none.
+    pub fn metrics(mut self, metrics: impl Metrics) -> Self {
+        self.metrics = Arc::new(metrics);
+        self
+    }
+
+    /// Sent rows older than this are purged by the relay, in small batches; `None` keeps
+    /// them. While a sent row exists, enqueueing its key again is reported as a duplicate.
+    /// Defaults to 7 days.
+    pub fn retention(mut self, retention: Option<Duration>) -> Self {
+        self.options.retention = retention;
+        self
+    }
+
+    /// Inbox (dedupe) records older than this are purged by the relay; `None` keeps them.
+    /// A redelivery older than this is no longer detected as a duplicate, so keep it longer
+    /// than the broker can hold a message. Defaults to 30 days.
+    pub fn inbox_retention(mut self, retention: Option<Duration>) -> Self {
+        self.options.inbox_retention = retention;
+        self
+    }
+
+    /// Checks the options and builds the relay.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] naming the option and its valid range.
+    pub fn build(self) -> Result<Relay<P>> {
+        self.options.validate()?;
+        Ok(Relay {
+            inner: Arc::new(Inner {
+                outbox: self.outbox,
+                pool: self.pool,
+                publisher: self.publisher,
+                options: self.options,
+                metrics: self.metrics,
+                wake: Arc::new(Wake::default()),
+            }),
+        })
+    }
+}
+
+/// Ships committed outbox rows to a [`Publisher`], at least once.
+///
+/// Cheap to clone: clones share one relay's state. Run one or many relays (in one process
+/// or many) on the same table; leases and fencing keep them from publishing a row twice
+/// except after a lease expiry or a crash.
+pub struct Relay<P> {
+    inner: Arc<Inner<P>>,
+}
+
+impl<P> Clone for Relay<P> {
+    fn clone(&self) -> Self {
+        Relay {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<P> std::fmt::Debug for Relay<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("outbox", &self.inner.outbox)
+            .field("options", &self.inner.options)
+            .field(
+                "listening",
+                &self.inner.wake.listening.load(Ordering::SeqCst),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner<P> {
+    outbox: Outbox,
+    pool: PgPool,
+    publisher: P,
+    options: Options,
+    metrics: Arc<dyn Metrics>,
+    wake: Arc<Wake>,
+}
+
+/// What one cycle did.
+struct Cycle {
+    claimed: usize,
+    /// Claim again without waiting: a full batch, or a sent row with successors.
+    again: bool,
+}
+
+/// Aborts a background task when dropped, so a dropped relay leaks nothing.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<P: Publisher> Relay<P> {
+    /// Runs until `shutdown` completes, then drains and returns.
+    ///
+    /// After `shutdown` the relay claims nothing more. Publishes under way get the
+    /// `drain_timeout` and their outcomes are recorded; claimed records not yet started,
+    /// and publishes cut off by the timeout, are released at once with their attempt
+    /// restored. Also runs the LISTEN connection (unless `without_notify`) and the
+    /// retention janitor (unless both retentions are `None`) while it runs.
+    ///
+    /// Database and publish failures are logged and retried; dropping the future stops the
+    /// relay without draining (its claims then wait for their lease to end).
+    ///
+    /// # Errors
+    /// [`Error::NotMigrated`] when the table does not exist.
+    pub async fn run_until(&self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+        let inner = &self.inner;
+        let table = inner.outbox.table().to_owned();
+        tracing::info!(table = %table, options = ?inner.options, "relay started");
+        let _listener = inner.options.listen.then(|| {
+            AbortOnDrop(tokio::spawn(listener::run(
+                inner.pool.clone(),
+                inner.outbox.statements().listen.clone(),
+                table.clone(),
+                inner.wake.clone(),
+            )))
+        });
+        let _janitor = (inner.options.retention.is_some()
+            || inner.options.inbox_retention.is_some())
+        .then(|| {
+            AbortOnDrop(tokio::spawn(janitor::run(
+                inner.outbox.clone(),
+                inner.pool.clone(),
+                inner.options.retention,
+                inner.options.inbox_retention,
+            )))
+        });
+
+        let mut shutdown = pin!(shutdown.fuse());
+        let mut failures = 0u32;
+        loop {
+            if shutdown.is_terminated() || (&mut shutdown).now_or_never().is_some() {
+                break;
+            }
+            match self.cycle(shutdown.as_mut()).await {
+                Ok(cycle) => {
+                    failures = 0;
+                    if shutdown.is_terminated() {
+                        break;
+                    }
+                    if cycle.again {
+                        continue;
+                    }
+                    tracing::trace!(table = %table, claimed = cycle.claimed, "relay idle");
+                    tokio::select! {
+                        () = inner.wake.notify.notified() => {}
+                        () = tokio::time::sleep(inner.options.poll_interval) => {}
+                        () = &mut shutdown => break,
+                    }
+                }
+                Err(e @ Error::NotMigrated { .. }) => return Err(e),
+                Err(e) => {
+                    failures += 1;
+                    let delay = inner
+                        .options
+                        .backoff(failures)
+                        .min(inner.options.poll_interval);
+                    tracing::warn!(table = %table, error = %e, retry_in = ?delay, "relay cycle failed");
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = &mut shutdown => break,
+                    }
+                }
+            }
+        }
+        tracing::info!(table = %table, "relay stopped");
+        Ok(())
+    }
+
+    /// Runs one cycle (claim, publish, record) and returns how many rows it claimed.
+    /// Needs no LISTEN connection and starts no janitor.
+    ///
+    /// # Errors
+    /// A database or pool error, or [`Error::NotMigrated`].
+    pub async fn run_once(&self) -> Result<usize> {
+        let never = pin!(std::future::pending::<()>().fuse());
+        Ok(self.cycle(never).await?.claimed)
+    }
+
+    /// True while the relay holds its LISTEN connection (so a commit wakes it at once).
+    pub fn listening(&self) -> bool {
+        self.inner.wake.listening.load(Ordering::SeqCst)
+    }
+
+    async fn cycle<S>(&self, mut shutdown: Pin<&mut S>) -> Result<Cycle>
+    where
+        S: Future<Output = ()> + FusedFuture,
+    {
+        let inner = &self.inner;
+        let o = &inner.options;
+        let batch = {
+            let mut conn = inner.pool.get().await?;
+            inner
+                .outbox
+                .claim(&mut conn, o.batch_size, o.lease, o.max_attempts)
+                .await?
+        };
+        let claimed = batch.claimed();
+        if claimed == 0 {
+            return Ok(Cycle {
+                claimed,
+                again: false,
+            });
+        }
+        inner.metrics.claimed(claimed);
+        tracing::debug!(table = %inner.outbox.table(), claimed, "claimed");
+
+        let Batch {
+            ready,
+            crash_looped,
+            undecodable,
+        } = batch;
+        for record in &crash_looped {
+            tracing::error!(
+                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
+                attempts = record.attempt,
+                "dead letter: claimed again and again without an outcome (relay crashing or hanging on it)"
+            );
+            inner.metrics.dead_lettered(&record.topic, record.attempt);
+        }
+        let mut outcomes = Vec::with_capacity(claimed);
+        for (record, outcome) in undecodable {
+            tracing::error!(
+                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
+                error = outcome.error.as_deref().unwrap_or_default(),
+                "dead letter: row cannot be decoded"
+            );
+            inner.metrics.dead_lettered(&record.topic, record.attempt);
+            outcomes.push(outcome);
+        }
+        outcomes.extend(self.publish(ready, shutdown.as_mut()).await);
+        let recorded = self.record(&outcomes).await;
+        Ok(Cycle {
+            claimed,
+            again: claimed >= o.batch_size || recorded.has_successor,
+        })
+    }
+
+    /// Publishes a batch and turns each result into an outcome. Honors shutdown: records
+    /// not started are released, and publishes still running at the drain timeout too.
+    async fn publish<S>(&self, ready: Vec<Claimed>, mut shutdown: Pin<&mut S>) -> Vec<Outcome>
+    where
+        S: Future<Output = ()> + FusedFuture,
+    {
+        let inner = &self.inner;
+        if ready.is_empty() {
+            return Vec::new();
+        }
+        let (records, tokens): (Vec<Record>, Vec<i64>) =
+            ready.into_iter().map(|c| (c.record, c.token)).unzip();
+        let mut results: Vec<Option<(Result<(), PublishError>, Duration)>> =
+            (0..records.len()).map(|_| None).collect();
+
+        let stop = Arc::new(AtomicBool::new(
+            shutdown.is_terminated() || shutdown.as_mut().now_or_never().is_some(),
+        ));
+        if !stop.load(Ordering::SeqCst) {
+            let started = Instant::now();
+            let mut stream: BoxStream<'_, (usize, Option<Result<(), PublishError>>)> =
+                match inner.publisher.publish_batch(&records) {
+                    Some(pipelined) => pipelined.map(|(i, r)| (i, Some(r))).boxed(),
+                    None => stream::iter(records.iter().enumerate())
+                        .map(|(i, record)| {
+                            let stop = stop.clone();
+                            async move {
+                                // Futures start when first polled: a record whose turn comes
+                                // after shutdown is never started.
+                                if stop.load(Ordering::SeqCst) {
+                                    return (i, None);
+                                }
+                                (i, Some(inner.publisher.publish(record).await))
+                            }
+                        })
+                        .buffer_unordered(inner.options.concurrency)
+                        .boxed(),
+                };
+            let mut drain_deadline: Option<Instant> = None;
+            loop {
+                let deadline =
+                    drain_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
+                tokio::select! {
+                    item = stream.next() => match item {
+                        Some((i, result)) => {
+                            results[i] = result.map(|r| (r, started.elapsed()));
+                        }
+                        None => break,
+                    },
+                    () = &mut shutdown, if drain_deadline.is_none() => {
+                        stop.store(true, Ordering::SeqCst);
+                        drain_deadline = Some(Instant::now() + inner.options.drain_timeout);
+                        tracing::info!(
+                            table = %inner.outbox.table(), drain_timeout = ?inner.options.drain_timeout,
+                            "relay shutting down: draining publishes under way"
+                        );
+                    }
+                    () = tokio::time::sleep_until(deadline), if drain_deadline.is_some() => {
+                        tracing::warn!(table = %inner.outbox.table(), "drain timeout: releasing unfinished publishes");
+                        break;
+                    }
+                }
+            }
+        }
+
+        let mut released = 0;
+        let outcomes = records
+            .iter()
+            .zip(tokens)
+            .zip(results)
+            .map(|((record, token), result)| {
+                match result {
+                    None => {
+                        released += 1;
+                        Outcome::release(record.id, token)
+                    }
+                    Some((Ok(()), took)) => {
+                        tracing::trace!(key = %record.key, topic = %record.topic, attempt = record.attempt, ?took, "published");
+                        inner.metrics.published(&record.topic, record.attempt, took);
+                        Outcome::sent(record.id, token)
+                    }
+                    Some((Err(err), _)) => self.failure(record, token, &err),
+                }
+            })
+            .collect();
+        if released > 0 {
+            tracing::info!(table = %inner.outbox.table(), released, "released unpublished claims");
+            inner.metrics.released(released);
+        }
+        outcomes
+    }
+
+    fn failure(&self, record: &Record, token: i64, err: &PublishError) -> Outcome {
+        let inner = &self.inner;
+        inner.metrics.failed(&record.topic, record.attempt, err);
+        if err.is_permanent() || record.attempt >= inner.options.max_attempts {
+            tracing::error!(
+                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
+                attempts = record.attempt, error = %err, "dead letter"
+            );
+            inner.metrics.dead_lettered(&record.topic, record.attempt);
+            Outcome::dead(record.id, token, err)
+        } else {
+            let delay = inner.options.backoff(record.attempt);
+            tracing::warn!(
+                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
+                attempt = record.attempt, retry_in = ?delay, error = %err, "publish failed; will retry"
+            );
+            Outcome::retry(record.id, token, delay, err)
+        }
+    }
+
+    /// Records outcomes, retrying briefly: a row whose outcome is lost stays leased until
+    /// its lease ends and is then published again.
+    async fn record(&self, outcomes: &[Outcome]) -> store::Recorded {
+        let inner = &self.inner;
+        let mut delay = Duration::from_millis(50);
+        for attempt in 1..=5 {
+            let result = async {
+                let mut conn = inner.pool.get().await?;
+                inner.outbox.record_outcomes(&mut conn, outcomes).await
+            }
+            .await;
+            match result {
+                Ok(recorded) => {
+                    if recorded.fenced > 0 {
+                        tracing::warn!(
+                            table = %inner.outbox.table(), fenced = recorded.fenced,
+                            "outcomes discarded: another relay took these rows over after our lease ended"
+                        );
+                        inner.metrics.fenced(recorded.fenced);
+                    }
+                    return recorded;
+                }
+                Err(e) if attempt < 5 => {
+                    tracing::warn!(table = %inner.outbox.table(), error = %e, "recording outcomes failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                Err(e) => {
+                    tracing::error!(
+                        table = %inner.outbox.table(), error = %e, rows = outcomes.len(),
+                        "recording outcomes failed; the rows will be published again after their lease"
+                    );
+                }
+            }
+        }
+        store::Recorded::default()
+    }
+}

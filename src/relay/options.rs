@@ -1,0 +1,140 @@
+//! Relay options, their defaults and validation, and the retry backoff.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Relay settings; every field is set through [`RelayBuilder`](super::RelayBuilder).
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    pub(crate) batch_size: usize,
+    pub(crate) concurrency: usize,
+    pub(crate) lease: Duration,
+    pub(crate) poll_interval: Duration,
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff_min: Duration,
+    pub(crate) backoff_max: Duration,
+    pub(crate) drain_timeout: Duration,
+    pub(crate) listen: bool,
+    pub(crate) retention: Option<Duration>,
+    pub(crate) inbox_retention: Option<Duration>,
+}
+
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+pub(crate) const DEFAULT_INBOX_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            batch_size: 100,
+            concurrency: 4,
+            lease: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(2),
+            max_attempts: 10,
+            backoff_min: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(5 * 60),
+            drain_timeout: Duration::from_secs(10),
+            listen: true,
+            retention: Some(DEFAULT_RETENTION),
+            inbox_retention: Some(DEFAULT_INBOX_RETENTION),
+        }
+    }
+}
+
+const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+
+impl Options {
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::InvalidOption(msg));
+        if !(1..=10_000).contains(&self.batch_size) {
+            return bad(format!("batch_size {} must be 1..=10000", self.batch_size));
+        }
+        if !(1..=1_024).contains(&self.concurrency) {
+            return bad(format!("concurrency {} must be 1..=1024", self.concurrency));
+        }
+        if self.lease < Duration::from_millis(100) || self.lease > DAY {
+            return bad(format!(
+                "lease {:?} must be between 100ms and 1 day",
+                self.lease
+            ));
+        }
+        if self.poll_interval < Duration::from_millis(10) || self.poll_interval > DAY {
+            return bad(format!(
+                "poll_interval {:?} must be between 10ms and 1 day",
+                self.poll_interval
+            ));
+        }
+        if !(1..=1_000).contains(&self.max_attempts) {
+            return bad(format!(
+                "max_attempts {} must be 1..=1000",
+                self.max_attempts
+            ));
+        }
+        if self.backoff_min.is_zero() || self.backoff_min > self.backoff_max {
+            return bad(format!(
+                "backoff({:?}, {:?}) needs 0 < min <= max",
+                self.backoff_min, self.backoff_max
+            ));
+        }
+        if self.backoff_max > 7 * DAY {
+            return bad(format!(
+                "backoff max {:?} must be at most 7 days",
+                self.backoff_max
+            ));
+        }
+        if self.drain_timeout > Duration::from_secs(60 * 60) {
+            return bad(format!(
+                "drain_timeout {:?} must be at most 1 hour",
+                self.drain_timeout
+            ));
+        }
+        for (name, value) in [
+            ("retention", self.retention),
+            ("inbox_retention", self.inbox_retention),
+        ] {
+            if let Some(age) = value
+                && (age < Duration::from_secs(1) || age > 3_650 * DAY)
+            {
+                return bad(format!(
+                    "{name} {age:?} must be between 1s and 10 years (or None to disable)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Delay before attempt `attempt + 1`: exponential from `backoff_min`, capped at
+    /// `backoff_max`, with equal jitter (half fixed, half random) so failing relays spread.
+    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
+        let exp = attempt.saturating_sub(1).min(32);
+        let base = self
+            .backoff_min
+            .saturating_mul(1u32 << exp.min(31))
+            .min(self.backoff_max);
+        let half = base / 2;
+        half + half.mul_f64(fastrand::f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let o = Options::default();
+        for _ in 0..100 {
+            let first = o.backoff(1);
+            assert!(first >= Duration::from_millis(500) && first <= Duration::from_secs(1));
+            let third = o.backoff(3);
+            assert!(third >= Duration::from_secs(2) && third <= Duration::from_secs(4));
+            let late = o.backoff(40);
+            assert!(late >= Duration::from_secs(150) && late <= Duration::from_secs(300));
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        Options::default().validate().unwrap();
+    }
+}

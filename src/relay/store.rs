@@ -1,0 +1,270 @@
+//! The relay's side of the table: claim a batch, record its outcomes.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use crate::error::Result;
+use crate::outbox::Outbox;
+use crate::publisher::Record;
+use crate::sql::{OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT};
+
+/// `last_error` is cut to at most this many bytes.
+pub(crate) const MAX_ERROR_BYTES: usize = 2_000;
+
+#[derive(QueryableByName)]
+struct ClaimRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    key: String,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    aggregate_key: Option<String>,
+    #[diesel(sql_type = Bytea)]
+    payload: Vec<u8>,
+    #[diesel(sql_type = Nullable<Text>)]
+    content_type: Option<String>,
+    #[diesel(sql_type = Jsonb)]
+    headers: serde_json::Value,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = BigInt)]
+    fencing_token: i64,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    status: String,
+}
+
+#[derive(QueryableByName)]
+struct OutcomeRow {
+    #[diesel(sql_type = BigInt)]
+    #[allow(dead_code)] // returned to count the rows that were updated
+    id: i64,
+    #[diesel(sql_type = Bool)]
+    has_successor: bool,
+}
+
+/// A claimed record with the fencing token its outcome must carry.
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    pub(crate) record: Record,
+    pub(crate) token: i64,
+}
+
+/// What one claim statement returned.
+#[derive(Debug, Default)]
+pub(crate) struct Batch {
+    /// Records to publish, in id order.
+    pub(crate) ready: Vec<Claimed>,
+    /// Rows the claim itself turned dead: claimed too often without an outcome.
+    pub(crate) crash_looped: Vec<Record>,
+    /// Rows that cannot be turned into a record; they die on their own.
+    pub(crate) undecodable: Vec<(Record, Outcome)>,
+}
+
+impl Batch {
+    pub(crate) fn claimed(&self) -> usize {
+        self.ready.len() + self.crash_looped.len() + self.undecodable.len()
+    }
+}
+
+/// The outcome of one claimed row, fenced by its token.
+#[derive(Debug, Clone)]
+pub(crate) struct Outcome {
+    pub(crate) id: i64,
+    pub(crate) token: i64,
+    pub(crate) kind: &'static str,
+    pub(crate) delay: Duration,
+    pub(crate) error: Option<String>,
+}
+
+impl Outcome {
+    pub(crate) fn sent(id: i64, token: i64) -> Self {
+        Self::new(id, token, OUTCOME_SENT, Duration::ZERO, None)
+    }
+
+    pub(crate) fn retry(
+        id: i64,
+        token: i64,
+        delay: Duration,
+        error: &dyn std::fmt::Display,
+    ) -> Self {
+        Self::new(id, token, OUTCOME_RETRY, delay, Some(error_text(error)))
+    }
+
+    pub(crate) fn dead(id: i64, token: i64, error: &dyn std::fmt::Display) -> Self {
+        Self::new(
+            id,
+            token,
+            OUTCOME_DEAD,
+            Duration::ZERO,
+            Some(error_text(error)),
+        )
+    }
+
+    pub(crate) fn release(id: i64, token: i64) -> Self {
+        Self::new(id, token, OUTCOME_RELEASE, Duration::ZERO, None)
+    }
+
+    fn new(
+        id: i64,
+        token: i64,
+        kind: &'static str,
+        delay: Duration,
+        error: Option<String>,
+    ) -> Self {
+        Outcome {
+            id,
+            token,
+            kind,
+            delay,
+            error,
+        }
+    }
+}
+
+/// What recording a batch's outcomes changed.
+#[derive(Debug, Default)]
+pub(crate) struct Recorded {
+    /// Outcomes that did not apply: another relay holds a newer claim (fencing).
+    pub(crate) fenced: usize,
+    /// A sent row had pending successors in its aggregate: claim again at once.
+    pub(crate) has_successor: bool,
+}
+
+impl Outbox {
+    /// Claims up to `batch_size` due rows with one statement (see `Statements::claim`).
+    pub(crate) async fn claim(
+        &self,
+        conn: &mut AsyncPgConnection,
+        batch_size: usize,
+        lease: Duration,
+        max_attempts: u32,
+    ) -> Result<Batch> {
+        let rows = diesel::sql_query(self.statements().claim.as_str())
+            .bind::<BigInt, _>(i64::try_from(batch_size).unwrap_or(i64::MAX))
+            .bind::<BigInt, _>(micros(lease))
+            .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+            .load::<ClaimRow>(conn)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        let mut batch = Batch::default();
+        for row in rows {
+            let headers = decode_headers(&row.headers);
+            let status_dead = row.status == "dead";
+            let token = row.fencing_token;
+            let record = Record {
+                id: row.id,
+                key: row.key,
+                topic: row.topic,
+                aggregate_key: row.aggregate_key,
+                payload: row.payload,
+                content_type: row.content_type,
+                headers: headers.clone().unwrap_or_default(),
+                attempt: u32::try_from(row.attempts).unwrap_or(0),
+                created_at: row.created_at,
+            };
+            if status_dead {
+                batch.crash_looped.push(record);
+            } else if let Err(why) = headers {
+                let outcome = Outcome::dead(record.id, token, &why);
+                batch.undecodable.push((record, outcome));
+            } else {
+                batch.ready.push(Claimed { record, token });
+            }
+        }
+        batch.ready.sort_by_key(|c| c.record.id);
+        Ok(batch)
+    }
+
+    /// Records every outcome of a batch with one statement, fenced by token and status.
+    pub(crate) async fn record_outcomes(
+        &self,
+        conn: &mut AsyncPgConnection,
+        outcomes: &[Outcome],
+    ) -> Result<Recorded> {
+        if outcomes.is_empty() {
+            return Ok(Recorded::default());
+        }
+        let ids: Vec<i64> = outcomes.iter().map(|o| o.id).collect();
+        let tokens: Vec<i64> = outcomes.iter().map(|o| o.token).collect();
+        let kinds: Vec<&str> = outcomes.iter().map(|o| o.kind).collect();
+        let delays: Vec<i64> = outcomes.iter().map(|o| micros(o.delay)).collect();
+        let errors: Vec<Option<&str>> = outcomes.iter().map(|o| o.error.as_deref()).collect();
+        let rows = diesel::sql_query(self.statements().record_outcomes.as_str())
+            .bind::<Array<BigInt>, _>(ids)
+            .bind::<Array<BigInt>, _>(tokens)
+            .bind::<Array<Text>, _>(kinds)
+            .bind::<Array<BigInt>, _>(delays)
+            .bind::<Array<Nullable<Text>>, _>(errors)
+            .load::<OutcomeRow>(conn)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        Ok(Recorded {
+            fenced: outcomes.len().saturating_sub(rows.len()),
+            has_successor: rows.iter().any(|r| r.has_successor),
+        })
+    }
+}
+
+fn decode_headers(
+    value: &serde_json::Value,
+) -> std::result::Result<BTreeMap<String, String>, String> {
+    let serde_json::Value::Object(map) = value else {
+        return Err("undecodable row: headers are not a JSON object".to_owned());
+    };
+    map.iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::String(s) => Ok((k.clone(), s.clone())),
+            _ => Err(format!("undecodable row: header {k:?} is not a string")),
+        })
+        .collect()
+}
+
+/// A duration in whole microseconds, as bound into SQL.
+pub(crate) fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// An error as stored in `last_error`: NUL bytes removed, cut at a char boundary to at most
+/// [`MAX_ERROR_BYTES`].
+pub(crate) fn error_text(err: &dyn std::fmt::Display) -> String {
+    let mut text = err.to_string().replace('\0', "");
+    if text.len() > MAX_ERROR_BYTES {
+        let mut cut = MAX_ERROR_BYTES;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_text_is_cut_at_a_char_boundary_without_nul() {
+        let long = format!("a\0{}", "é".repeat(2_000));
+        let text = error_text(&long);
+        assert!(text.len() <= MAX_ERROR_BYTES);
+        assert!(text.len() >= MAX_ERROR_BYTES - 1);
+        assert!(!text.contains('\0'));
+        assert!(text.starts_with("aé"));
+    }
+
+    #[test]
+    fn headers_must_be_a_string_map() {
+        assert!(decode_headers(&serde_json::json!({"a": "b"})).is_ok());
+        assert!(decode_headers(&serde_json::json!({"a": 1})).is_err());
+        assert!(decode_headers(&serde_json::json!(["a"])).is_err());
+    }
+}
