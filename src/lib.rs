@@ -77,7 +77,7 @@
 //!
 //! # Features
 //! - `sync`: the [`sync`] module, for `diesel::PgConnection` (links libpq).
-//! - `rabbitmq`: the RabbitMQ publisher (lapin).
+//! - `rabbitmq`: the RabbitMQ publisher, `rabbitmq::RabbitMqPublisher` (lapin).
 //! - `cli`: the `diesel-outbox` operator binary.
 //!
 //! No feature is on by default; the core never depends on AMQP.
@@ -94,6 +94,8 @@
 //! cluster-wide lock, which serialises concurrent committing writers;
 //! [`OutboxBuilder::without_notify`] turns it off and relays then rely on polling.
 
+#![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
+
 mod admin;
 mod enqueue;
 mod error;
@@ -102,6 +104,8 @@ mod metrics;
 mod migrate;
 mod outbox;
 mod publisher;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 mod relay;
 pub mod schema;
 mod sql;

@@ -129,3 +129,7 @@ pub async fn pool(size: u32) -> diesel_outbox::PgPool {
         .await
         .expect("pool")
 }
+
+#[cfg(feature = "rabbitmq")]
+pub mod broker;
+pub mod proxy;

@@ -1,0 +1,54 @@
+//! A TCP fault proxy: forwards loopback connections to an upstream and can cut them all.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+pub struct FaultProxy {
+    pub addr: SocketAddr,
+    links: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl FaultProxy {
+    pub async fn start(upstream: SocketAddr) -> FaultProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().unwrap();
+        let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let tracked = links.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let link = tokio::spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                tracked.lock().unwrap().push(link);
+            }
+        });
+        FaultProxy {
+            addr,
+            links,
+            accept,
+        }
+    }
+
+    /// Drops every open connection (both sides see a reset/EOF); new ones still pass.
+    pub fn cut(&self) -> usize {
+        let mut links = self.links.lock().unwrap();
+        let n = links.iter().filter(|l| !l.is_finished()).count();
+        for link in links.drain(..) {
+            link.abort();
+        }
+        n
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}

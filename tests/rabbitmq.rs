@@ -1,0 +1,514 @@
+//! The RabbitMQ publisher against the real broker and PostgreSQL.
+#![cfg(feature = "rabbitmq")]
+
+mod common;
+
+use std::net::ToSocketAddrs;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use common::broker::{TestBroker, amqp_url, amqp_url_via, message_id, next};
+use common::proxy::FaultProxy;
+use common::{TestSchema, eventually};
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Timestamptz};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::rabbitmq::RabbitMqPublisher;
+use diesel_outbox::{Error, Message, Outbox, PgPool, PublishError, Publisher, Record};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+const QUIET: Duration = Duration::from_millis(500);
+
+struct Fixture {
+    _schema: TestSchema,
+    conn: AsyncPgConnection,
+    outbox: Outbox,
+    pool: PgPool,
+}
+
+async fn fixture() -> Fixture {
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("outbox"))
+        .build()
+        .unwrap();
+    outbox.migrate(&mut conn).await.unwrap();
+    Fixture {
+        _schema: schema,
+        conn,
+        outbox,
+        pool: common::pool(4).await,
+    }
+}
+
+impl Fixture {
+    async fn count(&mut self, condition: &str) -> i64 {
+        #[derive(QueryableByName)]
+        struct N {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        diesel::sql_query(format!(
+            "SELECT count(*) AS n FROM {} WHERE {condition}",
+            self.outbox.table()
+        ))
+        .get_result::<N>(&mut self.conn)
+        .await
+        .unwrap()
+        .n
+    }
+
+    async fn wait_rows(&mut self, condition: &str, n: i64) {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let got = self.count(condition).await;
+            if got == n {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out: {got} rows where {condition}, expected {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+async fn publisher(exchange: &str) -> RabbitMqPublisher {
+    RabbitMqPublisher::builder(amqp_url(), exchange)
+        .confirm_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn header<'a>(delivery: &'a lapin::message::Delivery, name: &str) -> Option<&'a AMQPValue> {
+    delivery.properties.headers().as_ref()?.inner().get(name)
+}
+
+#[tokio::test]
+async fn every_property_and_header_arrives_as_specified() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    f.outbox
+        .enqueue(
+            &mut f.conn,
+            Message::new("order.created", "the body")
+                .key("order-1-created")
+                .aggregate_key("order-1")
+                .content_type("text/plain")
+                .header("tenant", "acme"),
+        )
+        .await
+        .unwrap();
+    #[derive(QueryableByName)]
+    struct Created {
+        #[diesel(sql_type = Timestamptz)]
+        created_at: DateTime<Utc>,
+    }
+    let created: Created =
+        diesel::sql_query(format!("SELECT created_at FROM {}", f.outbox.table()))
+            .get_result(&mut f.conn)
+            .await
+            .unwrap();
+
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .build()
+        .unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 1);
+    assert_eq!(f.count("status = 'sent'").await, 1);
+
+    let d = next(&mut consumer, DEADLINE).await.expect("delivered");
+    assert_eq!(message_id(&d), "order-1-created");
+    assert_eq!(d.routing_key.as_str(), "order.created");
+    assert_eq!(d.exchange.as_str(), broker.exchange);
+    assert_eq!(d.data, b"the body");
+    assert_eq!(
+        d.properties.content_type().as_ref().map(|c| c.as_str()),
+        Some("text/plain")
+    );
+    assert_eq!(*d.properties.delivery_mode(), Some(2), "persistent");
+    assert_eq!(
+        *d.properties.timestamp(),
+        Some(created.created_at.timestamp() as u64)
+    );
+    assert_eq!(
+        header(&d, "x-outbox-attempt"),
+        Some(&AMQPValue::LongLongInt(1))
+    );
+    assert_eq!(
+        header(&d, "x-outbox-aggregate-key"),
+        Some(&AMQPValue::LongString(LongString::from(
+            "order-1".as_bytes()
+        )))
+    );
+    assert_eq!(
+        header(&d, "tenant"),
+        Some(&AMQPValue::LongString(LongString::from("acme".as_bytes())))
+    );
+}
+
+#[tokio::test]
+async fn unroutable_with_mandatory_is_retried_then_dead_never_sent() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("bound.only").await;
+    f.outbox
+        .enqueue(&mut f.conn, Message::new("nowhere", "x").key("lost"))
+        .await
+        .unwrap();
+    f.outbox
+        .enqueue(&mut f.conn, Message::new("bound.only", "y").key("routed"))
+        .await
+        .unwrap();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .max_attempts(3)
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .poll_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while f.count("status = 'dead'").await == 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        relay.run_once().await.unwrap();
+        assert_eq!(
+            f.count("idempotency_key = 'lost' AND status = 'sent'")
+                .await,
+            0,
+            "an unroutable message is never marked sent"
+        );
+    }
+    assert_eq!(
+        f.count("idempotency_key = 'lost' AND status = 'dead' AND attempts = 3 AND last_error LIKE '%unroutable%'")
+            .await,
+        1
+    );
+    assert_eq!(
+        f.count("idempotency_key = 'routed' AND status = 'sent'")
+            .await,
+        1,
+        "the routable neighbour is sent"
+    );
+}
+
+#[tokio::test]
+async fn a_nack_is_not_marked_sent() {
+    let mut f = fixture().await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish".as_bytes())),
+    );
+    let broker = TestBroker::with_queue_args("#", args).await;
+    let msgs = (0..3)
+        .map(|i| Message::new("t", "x").key(format!("k{i}")))
+        .collect();
+    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .build()
+        .unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 3);
+    assert_eq!(f.count("status = 'sent'").await, 1, "the queue holds one");
+    assert_eq!(
+        f.count("status = 'pending' AND last_error LIKE '%nacked%'")
+            .await,
+        2
+    );
+}
+
+#[tokio::test]
+async fn the_relay_recovers_after_the_broker_connection_is_cut() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), &broker.exchange)
+        .confirm_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .unwrap();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .backoff(Duration::from_millis(20), Duration::from_millis(100))
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let mut expected = Vec::new();
+    for round in 0..3 {
+        for i in 0..20 {
+            let key = format!("r{round}-{i:02}");
+            f.outbox
+                .enqueue(&mut f.conn, Message::new("t", "x").key(key.clone()))
+                .await
+                .unwrap();
+            expected.push(key);
+        }
+        assert!(
+            proxy.cut() > 0 || round > 0,
+            "the publisher's connection was cut"
+        );
+    }
+    f.wait_rows("status = 'sent'", 60).await;
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+
+    let mut received = Vec::new();
+    while let Some(d) = next(&mut consumer, QUIET).await {
+        received.push(message_id(&d));
+    }
+    received.sort();
+    received.dedup();
+    assert_eq!(received, expected, "every message arrived");
+}
+
+fn amqp_authority() -> String {
+    let url = amqp_url();
+    let rest = url.split_once("://").unwrap().1;
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    rest.split('/').next().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn end_to_end_committed_arrives_and_rolled_back_never() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let outbox = f.outbox.clone();
+    f.conn
+        .transaction(async |c| {
+            outbox
+                .enqueue(c, Message::new("t", "1").key("committed"))
+                .await
+        })
+        .await
+        .unwrap();
+    let rolled_back = f
+        .conn
+        .transaction(async |c| {
+            outbox
+                .enqueue(c, Message::new("t", "2").key("rolled-back"))
+                .await?;
+            Err::<(), _>(Error::InvalidMessage("rollback".into()))
+        })
+        .await;
+    assert!(rolled_back.is_err());
+    f.outbox
+        .enqueue(&mut f.conn, Message::new("t", "3").key("marker"))
+        .await
+        .unwrap();
+
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .build()
+        .unwrap();
+    relay.run_once().await.unwrap();
+    let mut received = Vec::new();
+    while let Some(d) = next(&mut consumer, QUIET).await {
+        received.push(message_id(&d));
+    }
+    assert_eq!(received, vec!["committed", "marker"]);
+}
+
+/// Publishes through RabbitMQ, then never returns: the relay "crashes" between the
+/// broker's confirm and marking the row sent.
+struct CrashAfterPublish {
+    inner: RabbitMqPublisher,
+    published: Arc<AtomicUsize>,
+}
+
+impl Publisher for CrashAfterPublish {
+    async fn publish(&self, record: &Record) -> Result<(), PublishError> {
+        self.inner.publish(record).await?;
+        self.published.fetch_add(1, Ordering::SeqCst);
+        std::future::pending().await
+    }
+}
+
+#[tokio::test]
+async fn a_crash_between_publish_and_mark_delivers_twice_and_dedupe_applies_once() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    f.outbox
+        .enqueue(
+            &mut f.conn,
+            Message::new("invoice.due", "42").key("invoice-42"),
+        )
+        .await
+        .unwrap();
+    f.conn
+        .batch_execute(&format!(
+            "CREATE TABLE {}_effects (n int NOT NULL)",
+            f.outbox.table()
+        ))
+        .await
+        .unwrap();
+
+    let published = Arc::new(AtomicUsize::new(0));
+    let crashing = f
+        .outbox
+        .relay(
+            f.pool.clone(),
+            CrashAfterPublish {
+                inner: publisher(&broker.exchange).await,
+                published: published.clone(),
+            },
+        )
+        .lease(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let crash = tokio::time::timeout(Duration::from_secs(5), crashing.run_once());
+    let confirmed = published.clone();
+    let waiter = eventually(DEADLINE, "the first publish", || async {
+        (AtomicUsize::load(&confirmed, Ordering::SeqCst) == 1).then_some(())
+    });
+    let (crashed, ()) = tokio::join!(async { crash.await.is_err() }, waiter);
+    assert!(crashed, "the first relay never marked the row");
+
+    let healthy = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .build()
+        .unwrap();
+    eventually(DEADLINE, "the lease to end", || async {
+        (healthy.run_once().await.unwrap() == 1).then_some(())
+    })
+    .await;
+
+    // The consumer: dedupe and the effect in one transaction, ack after commit.
+    let mut applied = 0;
+    let mut deliveries = Vec::new();
+    while let Some(d) = next(&mut consumer, QUIET).await {
+        let key = message_id(&d);
+        let attempt = header(&d, "x-outbox-attempt").cloned();
+        deliveries.push((key.clone(), attempt));
+        let outbox = f.outbox.clone();
+        let first = f
+            .conn
+            .transaction(async |c| {
+                let first = outbox.dedupe(c, "invoicing", &key).await?;
+                if first {
+                    diesel::sql_query(format!("INSERT INTO {}_effects VALUES (1)", outbox.table()))
+                        .execute(c)
+                        .await?;
+                }
+                Ok::<_, Error>(first)
+            })
+            .await
+            .unwrap();
+        applied += usize::from(first);
+    }
+    assert_eq!(
+        deliveries,
+        vec![
+            ("invoice-42".to_owned(), Some(AMQPValue::LongLongInt(1))),
+            ("invoice-42".to_owned(), Some(AMQPValue::LongLongInt(2))),
+        ],
+        "the same key twice"
+    );
+    assert_eq!(applied, 1);
+    #[derive(QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let effects: N = diesel::sql_query(format!(
+        "SELECT count(*) AS n FROM {}_effects",
+        f.outbox.table()
+    ))
+    .get_result(&mut f.conn)
+    .await
+    .unwrap();
+    assert_eq!(effects.n, 1, "the effect happened once");
+}
+
+#[tokio::test]
+async fn no_url_or_password_in_debug_errors_or_display() {
+    let secret = "s3cret-pw";
+    let err = RabbitMqPublisher::builder(format!("amqp://guest:{secret}@127.0.0.1:1/%2f"), "x")
+        .connect()
+        .await
+        .unwrap_err();
+    let shown = format!("{err} {err:?}");
+    assert!(!shown.contains(secret), "{shown}");
+    assert!(!shown.contains("guest:"), "{shown}");
+
+    let err = RabbitMqPublisher::builder(format!("not a url {secret}"), "x")
+        .connect()
+        .await
+        .unwrap_err();
+    let shown = format!("{err} {err:?}");
+    assert!(matches!(err, Error::InvalidOption(_)));
+    assert!(!shown.contains(secret), "{shown}");
+
+    let broker = TestBroker::new("#").await;
+    let publisher = publisher(&broker.exchange).await;
+    let builder = RabbitMqPublisher::builder(amqp_url(), "x");
+    for shown in [format!("{publisher:?}"), format!("{builder:?}")] {
+        assert!(!shown.contains("guest:guest"), "{shown}");
+        assert!(!shown.contains("amqp://"), "{shown}");
+    }
+}
+
+#[tokio::test]
+async fn a_missing_exchange_fails_transiently_and_the_channel_recovers() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    // A publisher to an exchange that does not exist: the broker closes the channel.
+    let missing = RabbitMqPublisher::builder(amqp_url(), common::unique("missing"))
+        .connect()
+        .await
+        .unwrap();
+    f.outbox
+        .enqueue(&mut f.conn, Message::new("t", "x").key("k"))
+        .await
+        .unwrap();
+    let relay = f.outbox.relay(f.pool.clone(), missing).build().unwrap();
+    relay.run_once().await.unwrap();
+    assert_eq!(f.count("status = 'pending' AND attempts = 1").await, 1);
+
+    // The same key goes out through a working publisher afterwards.
+    f.conn
+        .batch_execute(&format!(
+            "UPDATE {} SET available_at = now()",
+            f.outbox.table()
+        ))
+        .await
+        .unwrap();
+    let good = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .build()
+        .unwrap();
+    assert_eq!(good.run_once().await.unwrap(), 1);
+    let d = next(&mut consumer, DEADLINE).await.expect("delivered");
+    assert_eq!(message_id(&d), "k");
+    assert_eq!(
+        header(&d, "x-outbox-attempt"),
+        Some(&AMQPValue::LongLongInt(2))
+    );
+}
