@@ -1,0 +1,503 @@
+//! `diesel-outbox`: migrate, inspect, redrive, purge and relay an outbox from the shell.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_outbox::rabbitmq::RabbitMqPublisher;
+use diesel_outbox::{Error, Outbox, PgPool};
+use serde_json::json;
+
+/// Exit codes: 0 success, 1 other failure, 2 usage error, 3 connection failure, 4 table not
+/// migrated.
+const USAGE: u8 = 2;
+const CONNECTION: u8 = 3;
+const NOT_MIGRATED: u8 = 4;
+
+#[derive(Parser)]
+#[command(
+    name = "diesel-outbox",
+    version,
+    about = "Operate a diesel-outbox table: migrate, inspect, redrive, purge, relay.",
+    after_help = "Exit codes: 0 success, 1 failure, 2 usage error, 3 connection failure \
+                  (database or broker), 4 table not migrated."
+)]
+struct Cli {
+    /// PostgreSQL URL.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    database_url: Option<String>,
+
+    /// Outbox table: `name` or `schema.name`.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox", global = true)]
+    table: String,
+
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or upgrade the outbox and inbox tables (safe to run on every start).
+    Migrate,
+    /// Print the schema statements, or write them as a diesel CLI migration folder.
+    Sql {
+        /// Write `<DIR>/<timestamp>_create_<table>/{up,down}.sql` instead of printing.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Show pending, in-flight, sent and dead counts and the lag.
+    Stats,
+    /// List dead letters with their last error.
+    Dead {
+        /// How many to list, oldest first.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// Make dead letters pending again (all of them when no key is given).
+    Redrive {
+        /// Idempotency keys to redrive.
+        keys: Vec<String>,
+    },
+    /// Delete old sent rows and inbox (dedupe) records.
+    Purge {
+        /// Delete sent rows older than this (e.g. `7d`, `12h`); `off` keeps them.
+        #[arg(long, default_value = "7d", value_parser = parse_age, allow_hyphen_values = true)]
+        sent_older_than: Age,
+        /// Delete inbox records older than this; `off` keeps them.
+        #[arg(long, default_value = "30d", value_parser = parse_age, allow_hyphen_values = true)]
+        inbox_older_than: Age,
+    },
+    /// Run a relay to RabbitMQ until SIGINT or SIGTERM, then drain and exit.
+    Relay(RelayArgs),
+}
+
+#[derive(Args)]
+struct RelayArgs {
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: String,
+    /// Exchange to publish to (must exist).
+    #[arg(long, env = "OUTBOX_EXCHANGE")]
+    exchange: String,
+    /// Rows claimed per cycle.
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Publishes in flight for one-by-one publishing.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Claim lease.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, allow_hyphen_values = true)]
+    lease: Duration,
+    /// Poll interval when not woken.
+    #[arg(long, default_value = "2s", value_parser = parse_duration, allow_hyphen_values = true)]
+    poll_interval: Duration,
+    /// Attempts before a message is dead-lettered.
+    #[arg(long, default_value_t = 10)]
+    max_attempts: u32,
+    /// Smallest retry backoff.
+    #[arg(long, default_value = "1s", value_parser = parse_duration, allow_hyphen_values = true)]
+    backoff_min: Duration,
+    /// Largest retry backoff.
+    #[arg(long, default_value = "5m", value_parser = parse_duration, allow_hyphen_values = true)]
+    backoff_max: Duration,
+    /// How long publishes under way may finish on shutdown.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, allow_hyphen_values = true)]
+    drain_timeout: Duration,
+    /// Poll only; do not LISTEN for wake-ups.
+    #[arg(long)]
+    without_notify: bool,
+    /// Purge sent rows older than this; `off` keeps them.
+    #[arg(long, default_value = "7d", value_parser = parse_age, allow_hyphen_values = true)]
+    retention: Age,
+    /// Purge inbox records older than this; `off` keeps them.
+    #[arg(long, default_value = "30d", value_parser = parse_age, allow_hyphen_values = true)]
+    inbox_retention: Age,
+    /// Broker confirm timeout per batch.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, allow_hyphen_values = true)]
+    confirm_timeout: Duration,
+    /// Database connections in the relay's pool (plus one for LISTEN).
+    #[arg(long, default_value_t = 4)]
+    pool_size: u32,
+}
+
+/// An age, or `off`.
+#[derive(Clone, Copy)]
+struct Age(Option<Duration>);
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    if s.trim_start().starts_with('-') {
+        return Err("a negative duration is not allowed".into());
+    }
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 500ms, 30s, 12h, 7d)"))
+}
+
+fn parse_age(s: &str) -> Result<Age, String> {
+    if s == "off" {
+        return Ok(Age(None));
+    }
+    parse_duration(s).map(|d| Age(Some(d)))
+}
+
+/// A failure with its exit code; its message never holds a URL or password.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    fn new(code: u8, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(err: Error) -> Self {
+        let code = match &err {
+            Error::NotMigrated { .. } => NOT_MIGRATED,
+            Error::Connection(_) | Error::Pool(_) | Error::Publish(_) => CONNECTION,
+            e if e.is_invalid_input() => USAGE,
+            _ => 1,
+        };
+        Failure::new(code, err.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let secrets = secrets(&cli);
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            eprintln!("error: {}", redact(&failure.message, &secrets));
+            ExitCode::from(failure.code)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let outbox = Outbox::builder().table(&cli.table).build()?;
+    if let Command::Sql { dir } = &cli.command {
+        return sql(&outbox, dir.as_deref(), cli.json);
+    }
+    let url = cli.database_url.clone().ok_or_else(|| {
+        Failure::new(
+            USAGE,
+            "no database: pass --database-url or set DATABASE_URL",
+        )
+    })?;
+    let mut conn = AsyncPgConnection::establish(&url)
+        .await
+        .map_err(|e| Failure::new(CONNECTION, format!("cannot connect to the database: {e}")))?;
+    match cli.command {
+        Command::Migrate => {
+            outbox.migrate(&mut conn).await?;
+            print(
+                cli.json,
+                json!({ "table": outbox.table(), "migrated": true }),
+                || format!("{} is migrated", outbox.table()),
+            );
+        }
+        Command::Stats => stats(&outbox, &mut conn, cli.json).await?,
+        Command::Dead { limit } => dead(&outbox, &mut conn, limit, cli.json).await?,
+        Command::Redrive { keys } => {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let redriven = outbox.redrive(&mut conn, &keys).await?;
+            print(cli.json, json!({ "redriven": redriven }), || {
+                let mut out = format!("redrove {} dead letter(s)", redriven.len());
+                for key in &redriven {
+                    out.push_str(&format!("\n  {key}"));
+                }
+                out
+            });
+        }
+        Command::Purge {
+            sent_older_than,
+            inbox_older_than,
+        } => {
+            purge(
+                &outbox,
+                &mut conn,
+                sent_older_than,
+                inbox_older_than,
+                cli.json,
+            )
+            .await?
+        }
+        Command::Relay(args) => {
+            drop(conn);
+            relay(&outbox, &url, args).await?;
+        }
+        Command::Sql { .. } => unreachable!("handled above"),
+    }
+    Ok(())
+}
+
+fn print(json: bool, value: serde_json::Value, human: impl FnOnce() -> String) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{}", human());
+    }
+}
+
+fn sql(outbox: &Outbox, dir: Option<&std::path::Path>, json: bool) -> Result<(), Failure> {
+    let Some(dir) = dir else {
+        let statements = outbox.sql();
+        print(json, json!({ "statements": statements }), || {
+            outbox.diesel_migration().0
+        });
+        return Ok(());
+    };
+    let (up, down) = outbox.diesel_migration();
+    let name = format!(
+        "{}_create_{}",
+        chrono::Utc::now().format("%Y-%m-%d-%H%M%S"),
+        outbox.table().replace('.', "_")
+    );
+    let folder = dir.join(name);
+    std::fs::create_dir_all(&folder)
+        .and_then(|()| std::fs::write(folder.join("up.sql"), up))
+        .and_then(|()| std::fs::write(folder.join("down.sql"), down))
+        .map_err(|e| Failure::new(1, format!("cannot write {}: {e}", folder.display())))?;
+    print(json, json!({ "migration": folder }), || {
+        format!("wrote {}", folder.display())
+    });
+    Ok(())
+}
+
+async fn stats(outbox: &Outbox, conn: &mut AsyncPgConnection, json: bool) -> Result<(), Failure> {
+    let s = outbox.stats(conn).await?;
+    let lag = s.oldest_pending.map(|d| d.as_secs_f64());
+    print(
+        json,
+        json!({
+            "table": outbox.table(),
+            "pending": s.pending,
+            "in_flight": s.in_flight,
+            "sent": s.sent,
+            "sent_is_estimate": s.sent_is_estimate,
+            "dead": s.dead,
+            "lag_seconds": lag,
+        }),
+        || {
+            let mut table = Table::new();
+            table.load_preset(UTF8_FULL_CONDENSED).set_header([
+                "table",
+                "pending",
+                "in flight",
+                "sent",
+                "dead",
+                "lag",
+            ]);
+            let sent = if s.sent_is_estimate {
+                format!("~{}", s.sent)
+            } else {
+                s.sent.to_string()
+            };
+            table.add_row([
+                outbox.table().to_owned(),
+                s.pending.to_string(),
+                s.in_flight.to_string(),
+                sent,
+                s.dead.to_string(),
+                lag.map_or("-".to_owned(), |l| format!("{l:.1}s")),
+            ]);
+            table.to_string()
+        },
+    );
+    Ok(())
+}
+
+async fn dead(
+    outbox: &Outbox,
+    conn: &mut AsyncPgConnection,
+    limit: u32,
+    json: bool,
+) -> Result<(), Failure> {
+    let letters = outbox.dead_letters(conn, limit).await?;
+    let rows: Vec<serde_json::Value> = letters
+        .iter()
+        .map(|d| {
+            json!({
+                "key": d.key,
+                "topic": d.topic,
+                "aggregate_key": d.aggregate_key,
+                "attempts": d.attempts,
+                "last_error": d.last_error,
+                "created_at": d.created_at,
+                "dead_at": d.dead_at,
+            })
+        })
+        .collect();
+    print(json, json!({ "dead_letters": rows }), || {
+        if letters.is_empty() {
+            return "no dead letters".to_owned();
+        }
+        let mut table = Table::new();
+        table.load_preset(UTF8_FULL_CONDENSED).set_header([
+            "key",
+            "topic",
+            "attempts",
+            "dead at",
+            "last error",
+        ]);
+        for d in &letters {
+            table.add_row([
+                d.key.clone(),
+                d.topic.clone(),
+                d.attempts.to_string(),
+                d.dead_at.map_or("-".to_owned(), |t| {
+                    t.format("%Y-%m-%d %H:%M:%S").to_string()
+                }),
+                d.last_error.clone().unwrap_or_default(),
+            ]);
+        }
+        table.to_string()
+    });
+    Ok(())
+}
+
+async fn purge(
+    outbox: &Outbox,
+    conn: &mut AsyncPgConnection,
+    sent: Age,
+    inbox: Age,
+    json: bool,
+) -> Result<(), Failure> {
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.enable_steady_tick(Duration::from_millis(100));
+    let mut purged_sent = 0;
+    let mut purged_inbox = 0;
+    if let Age(Some(age)) = sent {
+        spinner.set_message("purging sent rows");
+        purged_sent = outbox.purge_sent(conn, age).await?;
+    }
+    if let Age(Some(age)) = inbox {
+        spinner.set_message(format!(
+            "purged {purged_sent} sent rows; purging inbox records"
+        ));
+        purged_inbox = outbox.purge_inbox(conn, age).await?;
+    }
+    spinner.finish_and_clear();
+    print(
+        json,
+        json!({ "sent_rows": purged_sent, "inbox_records": purged_inbox }),
+        || format!("purged {purged_sent} sent row(s) and {purged_inbox} inbox record(s)"),
+    );
+    Ok(())
+}
+
+async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(), Failure> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let pool = PgPool::builder()
+        .max_size(args.pool_size.max(1))
+        .test_on_check_out(false)
+        .build(AsyncDieselConnectionManager::new(database_url))
+        .await
+        .map_err(|e| Failure::new(CONNECTION, format!("cannot build the pool: {e}")))?;
+    // Fail fast when the table is missing rather than on the first cycle.
+    {
+        let mut conn = pool.get().await.map_err(Error::from)?;
+        outbox.stats(&mut conn).await?;
+    }
+    let publisher = RabbitMqPublisher::builder(&args.amqp_url, &args.exchange)
+        .confirm_timeout(args.confirm_timeout)
+        .connect()
+        .await?;
+    let mut builder = outbox
+        .relay(pool, publisher)
+        .batch_size(args.batch_size)
+        .concurrency(args.concurrency)
+        .lease(args.lease)
+        .poll_interval(args.poll_interval)
+        .max_attempts(args.max_attempts)
+        .backoff(args.backoff_min, args.backoff_max)
+        .drain_timeout(args.drain_timeout)
+        .retention(args.retention.0)
+        .inbox_retention(args.inbox_retention.0);
+    if args.without_notify {
+        builder = builder.without_notify();
+    }
+    let relay = builder.build()?;
+    relay.run_until(shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("shutdown signal received");
+}
+
+/// Secrets to scrub from any message: the URLs and their passwords.
+fn secrets(cli: &Cli) -> Vec<String> {
+    let mut urls = vec![cli.database_url.clone()];
+    if let Command::Relay(args) = &cli.command {
+        urls.push(Some(args.amqp_url.clone()));
+    }
+    let mut out = Vec::new();
+    for url in urls.into_iter().flatten() {
+        if let Some(password) = password(&url) {
+            out.push(password);
+        }
+        out.push(url);
+    }
+    out.retain(|s| !s.is_empty());
+    // Longest first, so a URL is replaced whole before its password.
+    out.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    out
+}
+
+fn password(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let userinfo = rest.split('/').next()?.rsplit_once('@')?.0;
+    Some(userinfo.split_once(':')?.1.to_owned())
+}
+
+fn redact(message: &str, secrets: &[String]) -> String {
+    secrets
+        .iter()
+        .fold(message.to_owned(), |m, s| m.replace(s.as_str(), "***"))
+}

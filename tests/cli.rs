@@ -1,0 +1,241 @@
+//! The `diesel-outbox` binary, run as a user would, against the real services.
+#![cfg(feature = "cli")]
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::broker::{TestBroker, amqp_url, message_id, next};
+use common::{TestSchema, database_url, eventually};
+use diesel_async::SimpleAsyncConnection;
+use diesel_outbox::{Message, Outbox};
+
+const BIN: &str = env!("CARGO_BIN_EXE_diesel-outbox");
+
+fn cli(table: &str, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(["--table", table])
+        .args(args)
+        .env("DATABASE_URL", database_url())
+        .env_remove("AMQP_URL")
+        .output()
+        .expect("run diesel-outbox")
+}
+
+fn stdout(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_str(&stdout(out)).expect("--json prints JSON")
+}
+
+#[tokio::test]
+async fn migrate_then_stats_shows_zeros() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(stdout(&cli(&table, &["migrate"])).contains("migrated"));
+    let stats = json(&cli(&table, &["stats", "--json"]));
+    for field in ["pending", "in_flight", "sent", "dead"] {
+        assert_eq!(stats[field], 0, "{field} in {stats}");
+    }
+    assert!(stats["lag_seconds"].is_null());
+    let human = stdout(&cli(&table, &["stats"]));
+    assert!(
+        human.contains("pending") && human.contains(&table),
+        "{human}"
+    );
+}
+
+#[tokio::test]
+async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "relay", "--exchange", &broker.exchange])
+        .args(["--poll-interval", "100ms"])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    for i in 0..5 {
+        outbox
+            .enqueue(
+                &mut conn,
+                Message::new("cli.test", "x").key(format!("k{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    let mut keys = Vec::new();
+    while keys.len() < 5 {
+        let d = next(&mut consumer, Duration::from_secs(30))
+            .await
+            .expect("the relay process publishes");
+        keys.push(message_id(&d));
+    }
+    keys.sort();
+    assert_eq!(keys, ["k0", "k1", "k2", "k3", "k4"]);
+
+    let term = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = eventually(Duration::from_secs(30), "the relay to exit", || {
+        let status = relay.try_wait().unwrap();
+        async move { status }
+    })
+    .await;
+    assert!(status.success(), "exit {status:?}");
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut relay.stderr.take().unwrap(), &mut log).unwrap();
+    assert!(log.contains("relay stopped"), "{log}");
+    assert!(!log.contains("guest:guest"), "no credentials in logs");
+    let stats = json(&cli(&table, &["stats", "--json"]));
+    assert_eq!(stats["sent"], 5);
+}
+
+#[tokio::test]
+async fn dead_lists_a_dead_letter_and_redrive_brings_it_back() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    outbox
+        .enqueue(
+            &mut conn,
+            Message::new("billing.charge", "x").key("charge-7"),
+        )
+        .await
+        .unwrap();
+    conn.batch_execute(&format!(
+        "UPDATE {table} SET status = 'dead', dead_at = now(), attempts = 10, \
+         last_error = 'card processor said no'"
+    ))
+    .await
+    .unwrap();
+
+    let human = stdout(&cli(&table, &["dead"]));
+    for part in ["charge-7", "billing.charge", "10", "card processor said no"] {
+        assert!(human.contains(part), "{part} missing from:\n{human}");
+    }
+    let listed = json(&cli(&table, &["dead", "--json", "--limit", "5"]));
+    assert_eq!(listed["dead_letters"][0]["key"], "charge-7");
+    assert_eq!(
+        listed["dead_letters"][0]["last_error"],
+        "card processor said no"
+    );
+
+    let redriven = stdout(&cli(&table, &["redrive", "charge-7"]));
+    assert!(
+        redriven.contains("redrove 1") && redriven.contains("charge-7"),
+        "{redriven}"
+    );
+    let stats = json(&cli(&table, &["stats", "--json"]));
+    assert_eq!(
+        (stats["pending"].as_u64(), stats["dead"].as_u64()),
+        (Some(1), Some(0))
+    );
+    let again = json(&cli(&table, &["redrive", "--json"]));
+    assert_eq!(again["redriven"], serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn purge_and_sql_work_and_a_negative_age_is_a_usage_error() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    stdout(&cli(&table, &["migrate"]));
+    let purged = json(&cli(
+        &table,
+        &["purge", "--json", "--sent-older-than", "1h"],
+    ));
+    assert_eq!(
+        purged,
+        serde_json::json!({"sent_rows": 0, "inbox_records": 0})
+    );
+    let bad = cli(&table, &["purge", "--sent-older-than", "-5d"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("negative"));
+
+    let printed = stdout(&cli("shop.orders_outbox", &["sql"]));
+    assert!(printed.contains("CREATE TABLE IF NOT EXISTS \"shop\".\"orders_outbox\""));
+    let dir = std::env::temp_dir().join(common::unique("migrations"));
+    stdout(&cli(
+        "orders_outbox",
+        &["sql", "--dir", dir.to_str().unwrap()],
+    ));
+    let folder = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let (up, down) = Outbox::builder()
+        .table("orders_outbox")
+        .build()
+        .unwrap()
+        .diesel_migration();
+    assert_eq!(std::fs::read_to_string(folder.join("up.sql")).unwrap(), up);
+    assert_eq!(
+        std::fs::read_to_string(folder.join("down.sql")).unwrap(),
+        down
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_urls_and_missing_tables_have_their_own_exit_codes_and_hide_passwords() {
+    let out = Command::new(BIN)
+        .args(["stats"])
+        .env(
+            "DATABASE_URL",
+            "postgres://postgres:hunter2@127.0.0.1:1/test",
+        )
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("cannot connect to the database"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+
+    let out = Command::new(BIN)
+        .args(["relay", "--exchange", "x"])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", "amqp://guest:sekrit@127.0.0.1:1/%2f")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("sekrit"), "{stderr}");
+    assert_ne!(out.status.code(), Some(0));
+
+    let out = cli("never_migrated_here", &["stats"]);
+    assert_eq!(out.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("run `migrate` first"));
+
+    let out = cli("Bad-Name", &["stats"]);
+    assert_eq!(out.status.code(), Some(2));
+
+    let out = Command::new(BIN).arg("no-such-command").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
