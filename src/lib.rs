@@ -83,16 +83,20 @@
 //! No feature is on by default; the core never depends on AMQP.
 //!
 //! # Schema
-//! [`Outbox::migrate`] creates the table `<name>`, the inbox `<name>_inbox` and the version
-//! table `<name>_migrations` (one transaction, advisory lock, safe from many processes).
+//! [`Outbox::migrate`] creates the table `<name>`, the inbox `<name>_inbox`, the version
+//! table `<name>_migrations` and the relays' wake-up table `<name>_relays` (one transaction, advisory lock, safe from many processes).
 //! [`Outbox::sql`] gives the same statements to your own migration tool, and [`MIGRATIONS`]
 //! embeds them for diesel's harness (default table only).
 //!
 //! # Wake-up cost
-//! With notify on (the default) enqueue queues a `pg_notify`, delivered when your
-//! transaction commits, so an idle relay starts at once. A notifying commit takes a
-//! cluster-wide lock, which serialises concurrent committing writers;
-//! [`OutboxBuilder::without_notify`] turns it off and relays then rely on polling.
+//! A notifying commit takes a cluster-wide lock, which serialises concurrent committing
+//! writers. So enqueue sends its `pg_notify` (delivered only when your transaction commits)
+//! only while some relay is idle and listening, as recorded in the small unlogged table
+//! `<name>_relays`. A relay that has just worked keeps looking every few milliseconds for a
+//! short while before it calls itself idle, so under steady traffic writers send no NOTIFY
+//! at all, and after a quiet spell the first commit wakes the relay at once.
+//! [`OutboxBuilder::without_notify`] turns notifying off entirely (for poolers in
+//! transaction mode); relays then rely on polling.
 
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 

@@ -100,6 +100,7 @@ impl Outbox {
     pub fn down_sql(&self) -> Vec<String> {
         let t = &self.inner.table;
         vec![
+            format!("DROP TABLE IF EXISTS {}", t.quoted_with("_relays")),
             format!("DROP TABLE IF EXISTS {}", t.quoted_with("_inbox")),
             format!("DROP TABLE IF EXISTS {}", t.quoted()),
             format!("DROP TABLE IF EXISTS {}", t.quoted_with("_migrations")),

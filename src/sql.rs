@@ -28,6 +28,8 @@ pub(crate) struct Statements {
     pub(crate) claim: String,
     pub(crate) record_outcomes: String,
     pub(crate) listen: String,
+    pub(crate) relay_state: String,
+    pub(crate) relay_gone: String,
 }
 
 /// Outcome kinds bound into [`Statements::record_outcomes`].
@@ -104,8 +106,21 @@ impl Statements {
                 "CREATE INDEX IF NOT EXISTS {} ON {inbox} (processed_at)",
                 o("_inbox_processed_idx")
             ),
+            // Which relays are idle and listening, so writers know whether to NOTIFY.
+            // Unlogged: it is rebuilt by the relays themselves after a crash.
+            format!(
+                "CREATE UNLOGGED TABLE IF NOT EXISTS {relays} (\n\
+                 \x20   relay_id text NOT NULL,\n\
+                 \x20   idle boolean NOT NULL,\n\
+                 \x20   expires_at timestamptz NOT NULL,\n\
+                 \x20   CONSTRAINT {pkey} PRIMARY KEY (relay_id)\n\
+                 )",
+                relays = table.quoted_with("_relays"),
+                pkey = o("_relays_pkey"),
+            ),
         ];
 
+        let relays = table.quoted_with("_relays");
         let enqueue_cte = format!(
             "WITH m AS (\n\
              \x20   SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], \
@@ -124,10 +139,13 @@ impl Statements {
                             UNION ALL SELECT k AS key, false AS inserted FROM dup";
         let enqueue = format!("{enqueue_cte}\n{enqueue_tail}");
         // pg_notify is queued in the transaction and delivered only on commit; identical
-        // notifications in one transaction collapse into one.
+        // notifications in one transaction collapse into one. A notifying commit takes a
+        // cluster-wide lock, so writers notify only while some relay is idle and listening:
+        // a busy relay finds new rows by itself.
         let enqueue_notify = format!(
             "{enqueue_cte}, wake AS (\n\
              \x20   SELECT pg_notify($8, '') FROM (SELECT 1 FROM ins LIMIT 1) AS any_ins\n\
+             \x20   WHERE EXISTS (SELECT 1 FROM {relays} WHERE idle AND expires_at > now())\n\
              )\n\
              SELECT r.key, r.inserted FROM ({enqueue_tail}) AS r \
              CROSS JOIN (SELECT count(*) FROM wake) AS w"
@@ -255,6 +273,13 @@ impl Statements {
                  AND {successor}) AS has_successor"
             ),
             listen: format!("LISTEN \"{}\"", table.channel()),
+            // $1 relay id, $2 idle, $3 time to live (µs).
+            relay_state: format!(
+                "INSERT INTO {relays} (relay_id, idle, expires_at) \
+                 VALUES ($1, $2, now() + $3 * interval '1 microsecond') \
+                 ON CONFLICT (relay_id) DO UPDATE SET idle = excluded.idle, expires_at = excluded.expires_at"
+            ),
+            relay_gone: format!("DELETE FROM {relays} WHERE relay_id = $1 OR expires_at < now()"),
         }
     }
 

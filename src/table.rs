@@ -20,6 +20,8 @@ pub(crate) const SUFFIXES: &[&str] = &[
     "_inbox_processed_idx",
     "_migrations",
     "_migrations_pkey",
+    "_relays",
+    "_relays_pkey",
 ];
 
 /// Suffix of the NOTIFY channel, which is built from the qualified name.

@@ -402,8 +402,28 @@ async fn delayed_message_is_not_due_before_its_delay() {
     assert_eq!(stats.pending, 2);
 }
 
+/// The payload of the next notification on `listener` (waits up to 10 s).
+async fn next_payload(listener: &mut AsyncPgConnection) -> String {
+    let mut stream = std::pin::pin!(listener.notifications_stream());
+    tokio::time::timeout(Duration::from_secs(10), stream.next())
+        .await
+        .expect("a notification")
+        .unwrap()
+        .unwrap()
+        .payload
+}
+
+async fn marker(conn: &mut AsyncPgConnection, channel: &str, text: &str) {
+    diesel::sql_query("SELECT pg_notify($1, $2)")
+        .bind::<Text, _>(channel)
+        .bind::<Text, _>(text)
+        .execute(conn)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
-async fn notify_is_delivered_on_commit_only_and_can_be_turned_off() {
+async fn notify_goes_to_idle_relays_on_commit_only_and_can_be_turned_off() {
     let schema = TestSchema::new().await;
     let mut writer = schema.connect().await;
     let loud = Outbox::builder()
@@ -416,13 +436,28 @@ async fn notify_is_delivered_on_commit_only_and_can_be_turned_off() {
         .build()
         .unwrap();
     loud.migrate(&mut writer).await.unwrap();
-
+    let channel = loud.channel();
     let mut listener = common::connect().await;
     listener
-        .batch_execute(&format!("LISTEN \"{}\"", loud.channel()))
+        .batch_execute(&format!("LISTEN \"{channel}\""))
         .await
         .unwrap();
 
+    // No relay is idle: a busy (or absent) relay needs no wake-up, so no NOTIFY.
+    loud.enqueue(&mut writer, Message::new("t", "0"))
+        .await
+        .unwrap();
+    marker(&mut writer, &channel, "after-busy").await;
+    assert_eq!(next_payload(&mut listener).await, "after-busy");
+
+    // An idle relay: woken when the transaction commits, once for two messages.
+    writer
+        .batch_execute(&format!(
+            "INSERT INTO {}_relays VALUES ('idle-relay', true, now() + interval '1 hour')",
+            loud.table()
+        ))
+        .await
+        .unwrap();
     writer.batch_execute("BEGIN").await.unwrap();
     loud.enqueue(&mut writer, Message::new("t", "a"))
         .await
@@ -430,42 +465,29 @@ async fn notify_is_delivered_on_commit_only_and_can_be_turned_off() {
     loud.enqueue(&mut writer, Message::new("t", "b"))
         .await
         .unwrap();
-    {
-        let mut stream = std::pin::pin!(listener.notifications_stream());
-        let early = tokio::time::timeout(Duration::from_millis(300), stream.next()).await;
-        assert!(early.is_err(), "no notification before commit");
-    }
+    let mut other = common::connect().await;
+    marker(&mut other, &channel, "before-commit").await;
+    assert_eq!(
+        next_payload(&mut listener).await,
+        "before-commit",
+        "nothing is delivered before the commit"
+    );
     writer.batch_execute("COMMIT").await.unwrap();
-    {
-        let mut stream = std::pin::pin!(listener.notifications_stream());
-        let n = tokio::time::timeout(Duration::from_secs(10), stream.next())
-            .await
-            .expect("woken on commit")
-            .unwrap()
-            .unwrap();
-        assert_eq!(n.channel, loud.channel());
-    }
+    assert_eq!(next_payload(&mut listener).await, "", "woken on commit");
+    marker(&mut other, &channel, "after-commit").await;
+    assert_eq!(
+        next_payload(&mut listener).await,
+        "after-commit",
+        "one wake-up per transaction"
+    );
 
-    // Without notify: the next notification seen is a marker sent afterwards.
+    // Without notify: nothing, even for an idle relay.
     quiet
         .enqueue(&mut writer, Message::new("t", "c"))
         .await
         .unwrap();
-    diesel::sql_query("SELECT pg_notify($1, 'marker')")
-        .bind::<Text, _>(loud.channel())
-        .execute(&mut writer)
-        .await
-        .unwrap();
-    let seen = {
-        let mut stream = std::pin::pin!(listener.notifications_stream());
-        tokio::time::timeout(Duration::from_secs(10), stream.next())
-            .await
-            .expect("the marker arrives")
-            .unwrap()
-            .unwrap()
-            .payload
-    };
-    assert_eq!(seen, "marker", "enqueue without notify sent nothing");
+    marker(&mut other, &channel, "after-quiet").await;
+    assert_eq!(next_payload(&mut listener).await, "after-quiet");
 }
 
 #[cfg(feature = "sync")]

@@ -77,6 +77,30 @@ impl Fixture {
         .n
     }
 
+    /// Waits until `n` relays have recorded themselves idle (so writers NOTIFY them).
+    async fn wait_idle_relays(&mut self, n: i64) {
+        #[derive(QueryableByName)]
+        struct N {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let sql = format!(
+            "SELECT count(*) AS n FROM {}_relays WHERE idle AND expires_at > now()",
+            self.outbox.table()
+        );
+        let deadline = Instant::now() + DEADLINE;
+        while diesel::sql_query(&sql)
+            .get_result::<N>(&mut self.conn)
+            .await
+            .unwrap()
+            .n
+            != n
+        {
+            assert!(Instant::now() < deadline, "no idle relay recorded");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Waits until `condition` holds for `n` rows.
     async fn wait_rows(&mut self, condition: &str, n: i64) {
         let deadline = Instant::now() + DEADLINE;
@@ -785,6 +809,7 @@ async fn notify_wakes_an_idle_relay_and_survives_a_killed_listen_backend() {
         relay.listening().then_some(())
     })
     .await;
+    f.wait_idle_relays(1).await;
 
     let outbox = f.outbox.clone();
     f.conn
@@ -814,6 +839,7 @@ async fn notify_wakes_an_idle_relay_and_survives_a_killed_listen_backend() {
         relay.listening().then_some(())
     })
     .await;
+    f.wait_idle_relays(1).await;
     f.enqueue(Message::new("t", "2").key("second")).await;
     eventually(DEADLINE, "the wake-up after reconnect", || async {
         (recorder.len() == 2).then_some(())

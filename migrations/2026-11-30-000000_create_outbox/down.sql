@@ -1,3 +1,5 @@
+DROP TABLE IF EXISTS "outbox_relays";
+
 DROP TABLE IF EXISTS "outbox_inbox";
 
 DROP TABLE IF EXISTS "outbox";

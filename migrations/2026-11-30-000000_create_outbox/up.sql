@@ -43,4 +43,11 @@ CREATE TABLE IF NOT EXISTS "outbox_inbox" (
 
 CREATE INDEX IF NOT EXISTS "outbox_inbox_processed_idx" ON "outbox_inbox" (processed_at);
 
+CREATE UNLOGGED TABLE IF NOT EXISTS "outbox_relays" (
+    relay_id text NOT NULL,
+    idle boolean NOT NULL,
+    expires_at timestamptz NOT NULL,
+    CONSTRAINT "outbox_relays_pkey" PRIMARY KEY (relay_id)
+);
+
 INSERT INTO "outbox_migrations" (version) VALUES (1) ON CONFLICT DO NOTHING;

@@ -163,6 +163,7 @@ impl<P: Publisher> RelayBuilder<P> {
                 options: self.options,
                 metrics: self.metrics,
                 wake: Arc::new(Wake::default()),
+                id: uuid::Uuid::new_v4().to_string(),
             }),
         })
     }
@@ -205,7 +206,18 @@ struct Inner<P> {
     options: Options,
     metrics: Arc<dyn Metrics>,
     wake: Arc<Wake>,
+    /// Names this relay in the `<table>_relays` idle records.
+    id: String,
 }
+
+/// After work, the relay keeps looking for this long before it calls itself idle.
+const LINGER: Duration = Duration::from_millis(50);
+/// How often it looks while lingering.
+const LINGER_POLL: Duration = Duration::from_millis(2);
+/// An idle relay renews its record this often...
+const IDLE_REFRESH: Duration = Duration::from_secs(10);
+/// ...and the record lapses after this long, so a crashed relay stops drawing NOTIFYs.
+const IDLE_TTL: Duration = Duration::from_secs(35);
 
 /// What one cycle did.
 struct Cycle {
@@ -262,7 +274,8 @@ impl<P: Publisher> Relay<P> {
 
         let mut shutdown = pin!(shutdown.fuse());
         let mut failures = 0u32;
-        loop {
+        let mut linger_until = Instant::now() + LINGER;
+        'run: loop {
             if shutdown.is_terminated() || (&mut shutdown).now_or_never().is_some() {
                 break;
             }
@@ -275,14 +288,14 @@ impl<P: Publisher> Relay<P> {
                     if cycle.again {
                         continue;
                     }
-                    tracing::trace!(table = %table, claimed = cycle.claimed, "relay idle");
-                    tokio::select! {
-                        () = inner.wake.notify.notified() => {}
-                        () = tokio::time::sleep(inner.options.poll_interval) => {}
-                        () = &mut shutdown => break,
+                    if cycle.claimed > 0 {
+                        linger_until = Instant::now() + LINGER;
                     }
                 }
-                Err(e @ Error::NotMigrated { .. }) => return Err(e),
+                Err(e @ Error::NotMigrated { .. }) => {
+                    self.forget().await;
+                    return Err(e);
+                }
                 Err(e) => {
                     failures += 1;
                     let delay = inner
@@ -291,14 +304,92 @@ impl<P: Publisher> Relay<P> {
                         .min(inner.options.poll_interval);
                     tracing::warn!(table = %table, error = %e, retry_in = ?delay, "relay cycle failed");
                     tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
+                        () = tokio::time::sleep(delay) => continue,
                         () = &mut shutdown => break,
                     }
                 }
             }
+
+            // Nothing due. Right after work, keep looking often for a while: under steady
+            // traffic the relay stays awake and writers need not NOTIFY at all.
+            if Instant::now() < linger_until {
+                tokio::select! {
+                    () = inner.wake.notify.notified() => {}
+                    () = tokio::time::sleep(LINGER_POLL) => {}
+                    () = &mut shutdown => break,
+                }
+                continue;
+            }
+
+            // Idle: ask writers to wake us, look once more (a writer may have seen us busy
+            // and skipped its NOTIFY), then wait for a wake-up or the poll interval.
+            let registered = self.listening() && self.mark_idle(true).await;
+            if registered {
+                match self.cycle(shutdown.as_mut()).await {
+                    Ok(cycle) if cycle.claimed > 0 => {
+                        self.mark_idle(false).await;
+                        linger_until = Instant::now() + LINGER;
+                        continue;
+                    }
+                    _ if shutdown.is_terminated() => break,
+                    _ => {}
+                }
+            }
+            tracing::trace!(table = %table, "relay idle");
+            let poll_at = Instant::now() + inner.options.poll_interval;
+            loop {
+                let refresh = (Instant::now() + IDLE_REFRESH).min(poll_at);
+                tokio::select! {
+                    () = inner.wake.notify.notified() => break,
+                    () = tokio::time::sleep_until(refresh) => {
+                        if refresh >= poll_at {
+                            break;
+                        }
+                        if registered {
+                            self.mark_idle(true).await;
+                        }
+                    }
+                    () = &mut shutdown => break 'run,
+                }
+            }
+            if registered {
+                self.mark_idle(false).await;
+            }
         }
+        self.forget().await;
         tracing::info!(table = %table, "relay stopped");
         Ok(())
+    }
+
+    /// Records whether this relay is idle and listening (writers NOTIFY only then).
+    /// Returns whether that worked; on failure writers simply do not wake this relay.
+    async fn mark_idle(&self, idle: bool) -> bool {
+        let inner = &self.inner;
+        let result = async {
+            let mut conn = inner.pool.get().await?;
+            inner
+                .outbox
+                .set_relay_state(&mut conn, &inner.id, idle, IDLE_TTL)
+                .await
+        }
+        .await;
+        if let Err(e) = &result {
+            tracing::debug!(table = %inner.outbox.table(), error = %e, idle, "recording relay state failed");
+        }
+        result.is_ok()
+    }
+
+    /// Removes this relay's idle record (and any expired ones).
+    async fn forget(&self) {
+        let inner = &self.inner;
+        let result = async {
+            let mut conn = inner.pool.get().await?;
+            inner.outbox.remove_relay(&mut conn, &inner.id).await
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::debug!(table = %inner.outbox.table(), error = %e, "removing relay state failed");
+        }
     }
 
     /// Runs one cycle (claim, publish, record) and returns how many rows it claimed.

@@ -214,6 +214,40 @@ impl Outbox {
     }
 }
 
+impl Outbox {
+    /// Upserts a relay's idle record.
+    pub(crate) async fn set_relay_state(
+        &self,
+        conn: &mut AsyncPgConnection,
+        relay_id: &str,
+        idle: bool,
+        ttl: Duration,
+    ) -> Result<()> {
+        diesel::sql_query(self.statements().relay_state.as_str())
+            .bind::<Text, _>(relay_id)
+            .bind::<Bool, _>(idle)
+            .bind::<BigInt, _>(micros(ttl))
+            .execute(conn)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        Ok(())
+    }
+
+    /// Deletes a relay's idle record, and every expired one.
+    pub(crate) async fn remove_relay(
+        &self,
+        conn: &mut AsyncPgConnection,
+        relay_id: &str,
+    ) -> Result<()> {
+        diesel::sql_query(self.statements().relay_gone.as_str())
+            .bind::<Text, _>(relay_id)
+            .execute(conn)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        Ok(())
+    }
+}
+
 fn decode_headers(
     value: &serde_json::Value,
 ) -> std::result::Result<BTreeMap<String, String>, String> {
