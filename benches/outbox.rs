@@ -1,0 +1,895 @@
+//! The performance figures of DESIGN §11, each beside a baseline measured in the same run.
+//!
+//! ```sh
+//! cargo bench --bench outbox --features cli              # everything
+//! cargo bench --bench outbox --features cli -- --quick   # smaller, under 2 minutes
+//! cargo bench --bench outbox --features cli -- --only a,c
+//! ```
+//!
+//! Uses `DATABASE_URL` and `AMQP_URL` (local defaults). Prints one JSON line per figure as it
+//! is measured, then a table.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Bytea, Text};
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::rabbitmq::RabbitMqPublisher;
+use diesel_outbox::{Message, Outbox, PgPool, PublishError, Publisher, Record};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    QueuePurgeOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use serde_json::json;
+
+type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[derive(Parser)]
+struct Args {
+    /// Smaller counts and shorter runs (under 2 minutes in all).
+    #[arg(long)]
+    quick: bool,
+    /// Scenarios to run, by letter: a (throughput, RSS), b (enqueue cost), c (writers),
+    /// d (end-to-end latency), e (one aggregate), f (history).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<char>,
+    /// Ignored (cargo bench passes it).
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// One measured figure beside its same-run baseline.
+struct Figure {
+    name: &'static str,
+    value: f64,
+    unit: &'static str,
+    baseline: Option<(&'static str, f64)>,
+    target: &'static str,
+    params: serde_json::Value,
+}
+
+impl Figure {
+    fn ratio(&self) -> Option<f64> {
+        self.baseline.map(|(_, b)| self.value / b)
+    }
+
+    fn emit(&self) {
+        let line = json!({
+            "name": self.name,
+            "value": round(self.value),
+            "unit": self.unit,
+            "baseline_name": self.baseline.map(|b| b.0),
+            "baseline_value": self.baseline.map(|b| round(b.1)),
+            "ratio": self.ratio().map(|r| (r * 1000.0).round() / 1000.0),
+            "target": self.target,
+            "params": self.params,
+        });
+        println!("{line}");
+    }
+}
+
+fn round(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+struct Env {
+    database_url: String,
+    amqp_url: String,
+    schema: String,
+    conn: AsyncPgConnection,
+    pool: PgPool,
+    amqp: Connection,
+    channel: Channel,
+    quick: bool,
+}
+
+const KIB: usize = 1024;
+
+#[tokio::main]
+async fn main() -> BoxResult<()> {
+    let args = Args::parse();
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let schema = format!("bench_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let mut conn = AsyncPgConnection::establish(&database_url).await?;
+    conn.batch_execute(&format!("CREATE SCHEMA {schema}"))
+        .await?;
+    let pool = PgPool::builder()
+        .max_size(8)
+        .test_on_check_out(false)
+        .build(AsyncDieselConnectionManager::new(&database_url))
+        .await?;
+    let amqp = Connection::connect(&amqp_url, ConnectionProperties::default()).await?;
+    let channel = amqp.create_channel().await?;
+    let mut env = Env {
+        database_url,
+        amqp_url,
+        schema,
+        conn,
+        pool,
+        amqp,
+        channel,
+        quick: args.quick,
+    };
+    let run = |c: char| args.only.is_empty() || args.only.contains(&c);
+    let started = Instant::now();
+    let mut figures = Vec::new();
+    let result = async {
+        if run('a') {
+            figures.extend(throughput(&mut env).await?);
+        }
+        if run('b') {
+            figures.push(enqueue_cost(&mut env).await?);
+        }
+        if run('c') {
+            figures.push(writers(&mut env).await?);
+        }
+        if run('d') {
+            figures.extend(latency(&mut env).await?);
+        }
+        if run('e') {
+            figures.push(one_aggregate(&mut env).await?);
+        }
+        if run('f') {
+            figures.push(history(&mut env).await?);
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    env.conn
+        .batch_execute(&format!("DROP SCHEMA {} CASCADE", env.schema))
+        .await?;
+    result?;
+
+    let mut table = Table::new();
+    table
+        .load_preset(UTF8_FULL_CONDENSED)
+        .set_header(["figure", "value", "baseline", "ratio", "target"]);
+    for f in &figures {
+        table.add_row([
+            f.name.to_owned(),
+            format!("{:.2} {}", f.value, f.unit),
+            f.baseline
+                .map_or("-".into(), |(n, v)| format!("{v:.2} {} ({n})", f.unit)),
+            f.ratio().map_or("-".into(), |r| format!("{r:.2} ×")),
+            f.target.to_owned(),
+        ]);
+    }
+    println!("{table}");
+    println!(
+        "total {:.0} s{}",
+        started.elapsed().as_secs_f64(),
+        if env.quick { " (quick)" } else { "" }
+    );
+    Ok(())
+}
+
+impl Env {
+    fn scale(&self, full: usize, quick: usize) -> usize {
+        if self.quick { quick } else { full }
+    }
+
+    async fn outbox(&mut self, name: &str) -> BoxResult<Outbox> {
+        let outbox = Outbox::builder()
+            .table(format!("{}.{name}", self.schema))
+            .build()?;
+        outbox.migrate(&mut self.conn).await?;
+        Ok(outbox)
+    }
+
+    /// A durable exchange and queue of this run; the queue is deleted by `drop_queue`.
+    async fn queue(&self, name: &str) -> BoxResult<(String, String)> {
+        let exchange = format!("{}.{name}", self.schema);
+        let queue = exchange.clone();
+        self.channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        self.channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        self.channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok((exchange, queue))
+    }
+
+    async fn purge(&self, queue: &str) -> BoxResult<()> {
+        self.channel
+            .queue_purge(queue.into(), QueuePurgeOptions::default())
+            .await?;
+        Ok(())
+    }
+
+    async fn drop_queue(&self, queue: &str) -> BoxResult<()> {
+        self.channel
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await?;
+        Ok(())
+    }
+
+    async fn publisher(&self, exchange: &str) -> BoxResult<RabbitMqPublisher> {
+        Ok(RabbitMqPublisher::builder(&self.amqp_url, exchange)
+            .connect()
+            .await?)
+    }
+
+    /// Enqueues `n` 1 KiB messages (without waking anyone), `aggregate` on each if given.
+    async fn fill(&mut self, outbox: &Outbox, n: usize, aggregate: Option<&str>) -> BoxResult<()> {
+        let quiet = Outbox::builder()
+            .table(outbox.table())
+            .without_notify()
+            .build()?;
+        let payload = vec![b'x'; KIB];
+        for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
+            let msgs = chunk
+                .iter()
+                .map(|i| {
+                    let m = Message::new("bench.event", payload.clone()).key(format!("m{i}"));
+                    match aggregate {
+                        Some(a) => m.aggregate_key(a),
+                        None => m,
+                    }
+                })
+                .collect();
+            quiet.enqueue_many(&mut self.conn, msgs).await?;
+        }
+        Ok(())
+    }
+
+    async fn sent(&mut self, outbox: &Outbox) -> BoxResult<u64> {
+        Ok(outbox.stats(&mut self.conn).await?.sent)
+    }
+
+    /// Polls until `n` rows are sent; returns when that happened.
+    async fn wait_sent(&mut self, outbox: &Outbox, n: u64, limit: Duration) -> BoxResult<Instant> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.sent(outbox).await? >= n {
+                return Ok(Instant::now());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{n} messages not sent within {limit:?}").into());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+/// Runs an in-process relay until dropped.
+struct RunningRelay {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<diesel_outbox::Result<()>>,
+}
+
+impl RunningRelay {
+    fn start<P: Publisher>(relay: diesel_outbox::Relay<P>) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            relay
+                .run_until(async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        RunningRelay {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn stop(mut self) -> BoxResult<()> {
+        let _ = self.stop.take().map(|s| s.send(()));
+        (&mut self.task).await??;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------- (a) and (g)
+
+async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
+    let n = env.scale(50_000, 10_000);
+    let naive_n = env.scale(3_000, 1_000);
+    let batch = 256;
+    let (exchange, queue) = env.queue("throughput").await?;
+    let payload = vec![b'x'; KIB];
+
+    // Baseline: raw lapin, confirms, up to `window` in flight.
+    let window = 512;
+    let raw_channel = env.amqp.create_channel().await?;
+    raw_channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let started = Instant::now();
+    let mut in_flight = FuturesUnordered::new();
+    for i in 0..n {
+        if in_flight.len() >= window {
+            in_flight.next().await.expect("a confirm")?;
+        }
+        let confirm = raw_channel
+            .basic_publish(
+                exchange.as_str().into(),
+                "bench.event".into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &payload,
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(format!("raw{i}").into()),
+            )
+            .await?;
+        in_flight.push(confirm);
+    }
+    while let Some(confirm) = in_flight.next().await {
+        confirm?;
+    }
+    let raw_rate = n as f64 / started.elapsed().as_secs_f64();
+    env.purge(&queue).await?;
+
+    // The relay, as its own process (the operator binary), so its memory can be read.
+    let outbox = env.outbox("throughput").await?;
+    env.fill(&outbox, n, None).await?;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
+        .args(["--table", outbox.table(), "relay", "--exchange", &exchange])
+        .args(["--batch-size", &batch.to_string()])
+        .env("DATABASE_URL", &env.database_url)
+        .env("AMQP_URL", &env.amqp_url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()?;
+    let started = Instant::now();
+    let rss_peak = Arc::new(AtomicU64::new(0));
+    let pid = child.id();
+    let sampler = {
+        let peak = rss_peak.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Some(kib) = status_kib(pid, "VmHWM:") {
+                    peak.store(kib, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let done = env
+        .wait_sent(&outbox, n as u64, Duration::from_secs(600))
+        .await?;
+    let relay_rate = n as f64 / (done - started).as_secs_f64();
+    if let Some(kib) = status_kib(pid, "VmHWM:") {
+        rss_peak.store(kib, Ordering::SeqCst);
+    }
+    sampler.abort();
+    Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    child.wait()?;
+    env.purge(&queue).await?;
+
+    // The naive relay: claim one row, publish, await the confirm, mark it sent.
+    let naive = env.outbox("naive").await?;
+    env.fill(&naive, naive_n, None).await?;
+    let naive_channel = env.amqp.create_channel().await?;
+    naive_channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let mut conn = AsyncPgConnection::establish(&env.database_url).await?;
+    let claim = format!(
+        "UPDATE {t} SET lease_until = now() + interval '30 seconds', attempts = attempts + 1 \
+         WHERE id = (SELECT id FROM {t} WHERE status = 'pending' \
+         AND (lease_until IS NULL OR lease_until < now()) ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED) \
+         RETURNING id, idempotency_key AS key, payload",
+        t = naive.table()
+    );
+    let mark = format!(
+        "UPDATE {} SET status = 'sent', sent_at = now() WHERE id = $1",
+        naive.table()
+    );
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = Text)]
+        key: String,
+        #[diesel(sql_type = Bytea)]
+        payload: Vec<u8>,
+    }
+    let started = Instant::now();
+    let mut sent = 0;
+    while let Some(row) = diesel::sql_query(&claim)
+        .get_result::<Row>(&mut conn)
+        .await
+        .map(Some)
+        .or_else(|e| match e {
+            diesel::result::Error::NotFound => Ok(None),
+            e => Err(e),
+        })?
+    {
+        naive_channel
+            .basic_publish(
+                exchange.as_str().into(),
+                "bench.event".into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &row.payload,
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(row.key.into()),
+            )
+            .await?
+            .await?;
+        diesel::sql_query(&mark)
+            .bind::<BigInt, _>(row.id)
+            .execute(&mut conn)
+            .await?;
+        sent += 1;
+    }
+    assert_eq!(sent, naive_n);
+    let naive_rate = naive_n as f64 / started.elapsed().as_secs_f64();
+    env.drop_queue(&queue).await?;
+
+    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process" });
+    let figures = vec![
+        Figure {
+            name: "a. relay vs raw lapin",
+            value: relay_rate,
+            unit: "msg/s",
+            baseline: Some(("raw lapin, pipelined confirms", raw_rate)),
+            target: ">= 0.90 x",
+            params: params.clone(),
+        },
+        Figure {
+            name: "a. relay vs naive relay",
+            value: relay_rate,
+            unit: "msg/s",
+            baseline: Some(("naive relay", naive_rate)),
+            target: ">= 10 x",
+            params: params.clone(),
+        },
+        Figure {
+            name: "g. relay peak RSS",
+            value: AtomicU64::load(&rss_peak, Ordering::SeqCst) as f64 / 1024.0,
+            unit: "MiB",
+            baseline: None,
+            target: "<= 64 MiB",
+            params,
+        },
+    ];
+    for f in &figures {
+        f.emit();
+    }
+    Ok(figures)
+}
+
+fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+// ---------------------------------------------------------------------------------- (b)
+
+async fn enqueue_cost(env: &mut Env) -> BoxResult<Figure> {
+    let rounds = env.scale(10, 4);
+    let per_round = env.scale(300, 150);
+    let outbox = env.outbox("enqueue_cost").await?;
+    let orders = format!("{}.orders_b", env.schema);
+    env.conn
+        .batch_execute(&format!(
+            "CREATE TABLE {orders} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, customer text NOT NULL, total int NOT NULL)"
+        ))
+        .await?;
+    let insert = format!("INSERT INTO {orders} (customer, total) VALUES ('ada', 42)");
+    let mut with = Vec::new();
+    let mut without = Vec::new();
+    // Interleaved rounds, so drift on a noisy machine hits both sides alike.
+    for round in 0..rounds {
+        for enqueue in [round % 2 == 0, round % 2 != 0] {
+            for _ in 0..per_round {
+                let started = Instant::now();
+                let outbox = outbox.clone();
+                let insert = insert.as_str();
+                env.conn
+                    .transaction(async |c| {
+                        diesel::sql_query(insert).execute(c).await?;
+                        if enqueue {
+                            outbox
+                                .enqueue(c, Message::new("order.created", vec![b'x'; KIB]))
+                                .await?;
+                        }
+                        Ok::<_, diesel_outbox::Error>(())
+                    })
+                    .await?;
+                let took = started.elapsed().as_secs_f64() * 1e6;
+                if enqueue {
+                    with.push(took)
+                } else {
+                    without.push(took)
+                }
+            }
+        }
+    }
+    let (with_p50, without_p50) = (percentile(&mut with, 50.0), percentile(&mut without, 50.0));
+    let f = Figure {
+        name: "b. enqueue cost (p50 latency)",
+        value: with_p50,
+        unit: "µs",
+        baseline: Some(("same transaction without enqueue", without_p50)),
+        target: "<= 1.30 x",
+        params: json!({
+            "transactions_each": rounds * per_round,
+            "mean_with_us": round(mean(&with)),
+            "mean_without_us": round(mean(&without)),
+            "payload_bytes": KIB,
+        }),
+    };
+    f.emit();
+    Ok(f)
+}
+
+fn percentile(values: &mut [f64], p: f64) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    let idx = ((p / 100.0) * (values.len() - 1) as f64).round() as usize;
+    values[idx]
+}
+
+fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+// ---------------------------------------------------------------------------------- (c)
+
+async fn writers(env: &mut Env) -> BoxResult<Figure> {
+    let clients = 8;
+    let secs = env.scale(8, 3) as u64;
+    let rounds = env.scale(2, 1);
+    let (exchange, queue) = env.queue("writers").await?;
+    let orders = format!("{}.orders_c", env.schema);
+    env.conn
+        .batch_execute(&format!(
+            "CREATE TABLE {orders} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, customer text NOT NULL, total int NOT NULL)"
+        ))
+        .await?;
+    let mut rates: HashMap<bool, Vec<f64>> = HashMap::new();
+    for round in 0..rounds * 2 {
+        let notify = round % 2 == 1;
+        let base = env.outbox(&format!("writers_{round}")).await?;
+        let outbox = if notify {
+            base
+        } else {
+            Outbox::builder()
+                .table(base.table())
+                .without_notify()
+                .build()?
+        };
+        let mut relay = outbox.relay(env.pool.clone(), env.publisher(&exchange).await?);
+        if !notify {
+            relay = relay.without_notify();
+        }
+        let relay = RunningRelay::start(relay.build()?);
+        let commits = Arc::new(AtomicU64::new(0));
+        let until = Instant::now() + Duration::from_secs(secs);
+        let mut tasks = Vec::new();
+        for _ in 0..clients {
+            let mut conn = AsyncPgConnection::establish(&env.database_url).await?;
+            let outbox = outbox.clone();
+            let commits = commits.clone();
+            let insert = format!("INSERT INTO {orders} (customer, total) VALUES ('ada', 42)");
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < until {
+                    let outbox = outbox.clone();
+                    let insert = insert.as_str();
+                    conn.transaction(async |c| {
+                        diesel::sql_query(insert).execute(c).await?;
+                        outbox
+                            .enqueue(c, Message::new("order.created", "{}"))
+                            .await?;
+                        Ok::<_, diesel_outbox::Error>(())
+                    })
+                    .await?;
+                    commits.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<_, diesel_outbox::Error>(())
+            }));
+        }
+        for task in tasks {
+            task.await??;
+        }
+        rates
+            .entry(notify)
+            .or_default()
+            .push(AtomicU64::load(&commits, Ordering::SeqCst) as f64 / secs as f64);
+        relay.stop().await?;
+        env.purge(&queue).await?;
+    }
+    env.drop_queue(&queue).await?;
+    let on = mean(&rates[&true]);
+    let off = mean(&rates[&false]);
+    let f = Figure {
+        name: "c. 8 writers, wake-on-commit",
+        value: on,
+        unit: "commits/s",
+        baseline: Some(("same writers, notify off", off)),
+        target: ">= 0.90 x",
+        params: json!({ "clients": clients, "seconds_per_round": secs, "rounds_each": rounds, "relay": "running, RabbitMQ publisher" }),
+    };
+    f.emit();
+    Ok(f)
+}
+
+// ---------------------------------------------------------------------------------- (d)
+
+async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
+    let rate = 500.0;
+    let n = env.scale(5_000, 1_500);
+    let mut figures = Vec::new();
+    for notify in [true, false] {
+        let name = if notify {
+            "latency_notify"
+        } else {
+            "latency_poll"
+        };
+        let (exchange, queue) = env.queue(name).await?;
+        let base = env.outbox(name).await?;
+        let outbox = if notify {
+            base
+        } else {
+            Outbox::builder()
+                .table(base.table())
+                .without_notify()
+                .build()?
+        };
+        let mut relay = outbox.relay(env.pool.clone(), env.publisher(&exchange).await?);
+        if !notify {
+            relay = relay.without_notify();
+        }
+        let relay = RunningRelay::start(relay.build()?);
+        tokio::time::sleep(Duration::from_millis(300)).await; // let the relay settle idle
+
+        let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let received: Arc<Mutex<Vec<f64>>> = Arc::default();
+        let consumer_channel = env.amqp.create_channel().await?;
+        let mut consumer = consumer_channel
+            .basic_consume(
+                queue.as_str().into(),
+                "latency".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let consume = {
+            let committed = committed.clone();
+            let received = received.clone();
+            tokio::spawn(async move {
+                while let Some(Ok(delivery)) = consumer.next().await {
+                    let at = Instant::now();
+                    let key = delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|k| k.to_string())
+                        .unwrap_or_default();
+                    let _ = delivery.ack(BasicAckOptions::default()).await;
+                    if let Some(t0) = committed.lock().unwrap().get(&key) {
+                        received
+                            .lock()
+                            .unwrap()
+                            .push((at - *t0).as_secs_f64() * 1e3);
+                    }
+                }
+            })
+        };
+        let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut writer = AsyncPgConnection::establish(&env.database_url).await?;
+        for i in 0..n {
+            ticker.tick().await;
+            let key = format!("l{i}");
+            outbox
+                .enqueue(
+                    &mut writer,
+                    Message::new("bench.latency", "{}").key(key.clone()),
+                )
+                .await?;
+            committed.lock().unwrap().insert(key, Instant::now());
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while received.lock().unwrap().len() < n && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        consume.abort();
+        relay.stop().await?;
+        env.drop_queue(&queue).await?;
+        let mut lat = received.lock().unwrap().clone();
+        if lat.len() < n {
+            return Err(format!("only {} of {n} messages arrived", lat.len()).into());
+        }
+        let (p50, p95, p99) = (
+            percentile(&mut lat, 50.0),
+            percentile(&mut lat, 95.0),
+            percentile(&mut lat, 99.0),
+        );
+        let params = json!({ "offered_msg_per_s": rate, "messages": n, "p50_ms": round(p50), "p95_ms": round(p95), "p99_ms": round(p99), "notify": notify });
+        for (label, value, target) in [
+            ("p50", p50, if notify { "<= 5 ms" } else { "-" }),
+            ("p99", p99, if notify { "<= 25 ms" } else { "-" }),
+        ] {
+            let name: &'static str = match (notify, label) {
+                (true, "p50") => "d. commit→consumer p50, notify",
+                (true, _) => "d. commit→consumer p99, notify",
+                (false, "p50") => "d. commit→consumer p50, polling only",
+                (false, _) => "d. commit→consumer p99, polling only",
+            };
+            let f = Figure {
+                name,
+                value,
+                unit: "ms",
+                baseline: None,
+                target,
+                params: params.clone(),
+            };
+            f.emit();
+            figures.push(f);
+        }
+        let _ = p95;
+    }
+    Ok(figures)
+}
+
+// ---------------------------------------------------------------------------------- (e)
+
+async fn one_aggregate(env: &mut Env) -> BoxResult<Figure> {
+    let n = 2_000;
+    let (exchange, queue) = env.queue("aggregate").await?;
+    let mut rates = Vec::new();
+    for aggregate in [Some("order-1"), None] {
+        let outbox = env
+            .outbox(if aggregate.is_some() {
+                "one_aggregate"
+            } else {
+                "unordered"
+            })
+            .await?;
+        env.fill(&outbox, n, aggregate).await?;
+        let started = Instant::now();
+        let relay = RunningRelay::start(
+            outbox
+                .relay(env.pool.clone(), env.publisher(&exchange).await?)
+                .batch_size(256)
+                .build()?,
+        );
+        let done = env
+            .wait_sent(&outbox, n as u64, Duration::from_secs(300))
+            .await?;
+        rates.push(n as f64 / (done - started).as_secs_f64());
+        relay.stop().await?;
+        env.purge(&queue).await?;
+    }
+    env.drop_queue(&queue).await?;
+    let f = Figure {
+        name: "e. one aggregate, 2,000 queued",
+        value: rates[0],
+        unit: "msg/s",
+        baseline: Some(("2,000 unordered", rates[1])),
+        target: ">= 0.25 x",
+        params: json!({ "messages": n, "payload_bytes": KIB, "publisher": "RabbitMQ" }),
+    };
+    f.emit();
+    Ok(f)
+}
+
+// ---------------------------------------------------------------------------------- (f)
+
+/// Acks at once: isolates the database side of claim and mark.
+struct Ack;
+
+impl Publisher for Ack {
+    async fn publish(&self, _: &Record) -> Result<(), PublishError> {
+        Ok(())
+    }
+}
+
+async fn history(env: &mut Env) -> BoxResult<Figure> {
+    let history_rows = env.scale(1_000_000, 200_000);
+    let n = env.scale(20_000, 10_000);
+    let mut rates = Vec::new();
+    for with_history in [true, false] {
+        let outbox = env
+            .outbox(if with_history { "history" } else { "fresh" })
+            .await?;
+        if with_history {
+            env.conn
+                .batch_execute(&format!(
+                    "INSERT INTO {t} (idempotency_key, topic, payload, status, attempts, fencing_token, sent_at, created_at) \
+                     SELECT 'h' || g, 'bench.event', '\\x00'::bytea, 'sent', 1, 1, now() - interval '1 hour', now() - interval '1 hour' \
+                     FROM generate_series(1, {history_rows}) g; ANALYZE {t}",
+                    t = outbox.table()
+                ))
+                .await?;
+        }
+        env.fill(&outbox, n, None).await?;
+        let started = Instant::now();
+        let relay = RunningRelay::start(
+            outbox
+                .relay(env.pool.clone(), Ack)
+                .batch_size(256)
+                .retention(None)
+                .inbox_retention(None)
+                .build()?,
+        );
+        let target = n as u64 + if with_history { history_rows as u64 } else { 0 };
+        let done = wait_sent_exact(env, &outbox, n as i64, Duration::from_secs(300)).await?;
+        let _ = target;
+        rates.push(n as f64 / (done - started).as_secs_f64());
+        relay.stop().await?;
+    }
+    let f = Figure {
+        name: "f. claim+mark with sent-row history",
+        value: rates[0],
+        unit: "msg/s",
+        baseline: Some(("empty history", rates[1])),
+        target: ">= 0.80 x",
+        params: json!({ "history_rows": history_rows, "messages": n, "publisher": "acks at once (database side only)" }),
+    };
+    f.emit();
+    Ok(f)
+}
+
+/// Waits until no pending row is left (`stats().sent` is an estimate past 100,000).
+async fn wait_sent_exact(
+    env: &mut Env,
+    outbox: &Outbox,
+    _n: i64,
+    limit: Duration,
+) -> BoxResult<Instant> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let stats = outbox.stats(&mut env.conn).await?;
+        if stats.pending == 0 && stats.in_flight == 0 {
+            return Ok(Instant::now());
+        }
+        if Instant::now() > deadline {
+            return Err("history backlog not drained".into());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
