@@ -273,21 +273,33 @@ impl Env {
         Ok(())
     }
 
-    async fn sent(&mut self, outbox: &Outbox) -> BoxResult<u64> {
-        Ok(outbox.stats(&mut self.conn).await?.sent)
-    }
-
-    /// Polls until `n` rows are sent; returns when that happened.
+    /// Polls (cheaply, so the poll does not load the database) until no row is pending,
+    /// then checks that `n` were sent; returns when the last one was.
     async fn wait_sent(&mut self, outbox: &Outbox, n: u64, limit: Duration) -> BoxResult<Instant> {
+        #[derive(QueryableByName)]
+        struct Pending {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            pending: bool,
+        }
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE status = 'pending') AS pending",
+            outbox.table()
+        );
         let deadline = Instant::now() + limit;
         loop {
-            if self.sent(outbox).await? >= n {
-                return Ok(Instant::now());
+            let row: Pending = diesel::sql_query(&sql).get_result(&mut self.conn).await?;
+            if !row.pending {
+                let done = Instant::now();
+                let stats = outbox.stats(&mut self.conn).await?;
+                if stats.sent < n || stats.dead > 0 {
+                    return Err(format!("expected {n} sent, found {stats:?}").into());
+                }
+                return Ok(done);
             }
             if Instant::now() > deadline {
                 return Err(format!("{n} messages not sent within {limit:?}").into());
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 }
@@ -326,7 +338,10 @@ impl RunningRelay {
 async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let n = env.scale(50_000, 10_000);
     let naive_n = env.scale(3_000, 1_000);
-    let batch = 256;
+    let batch: usize = std::env::var("BENCH_BATCH")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(256);
     let (exchange, queue) = env.queue("throughput").await?;
     let payload = vec![b'x'; KIB];
 
@@ -337,6 +352,7 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
     let started = Instant::now();
+    let cpu_before = cpu_seconds(None);
     let mut in_flight = FuturesUnordered::new();
     for i in 0..n {
         if in_flight.len() >= window {
@@ -362,6 +378,11 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         confirm?;
     }
     let raw_rate = n as f64 / started.elapsed().as_secs_f64();
+    let raw_cpu = cpu_share(
+        cpu_before,
+        cpu_seconds(None),
+        started.elapsed().as_secs_f64(),
+    );
     env.purge(&queue).await?;
 
     // The relay, as its own process (the operator binary), so its memory can be read.
@@ -376,8 +397,9 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .stdout(Stdio::null())
         .spawn()?;
     let started = Instant::now();
-    let rss_peak = Arc::new(AtomicU64::new(0));
     let pid = child.id();
+    let cpu_before = cpu_seconds(Some(pid));
+    let rss_peak = Arc::new(AtomicU64::new(0));
     let sampler = {
         let peak = rss_peak.clone();
         tokio::spawn(async move {
@@ -393,6 +415,11 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .wait_sent(&outbox, n as u64, Duration::from_secs(600))
         .await?;
     let relay_rate = n as f64 / (done - started).as_secs_f64();
+    let relay_cpu = cpu_share(
+        cpu_before,
+        cpu_seconds(Some(pid)),
+        (done - started).as_secs_f64(),
+    );
     if let Some(kib) = status_kib(pid, "VmHWM:") {
         rss_peak.store(kib, Ordering::SeqCst);
     }
@@ -467,7 +494,7 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let naive_rate = naive_n as f64 / started.elapsed().as_secs_f64();
     env.drop_queue(&queue).await?;
 
-    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process" });
+    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process", "cpu_raw": raw_cpu, "cpu_relay": relay_cpu });
     let figures = vec![
         Figure {
             name: "a. relay vs raw lapin",
@@ -498,6 +525,48 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         f.emit();
     }
     Ok(figures)
+}
+
+/// CPU seconds used so far by the broker, the database server and this process (and one
+/// more process, if given), to show what limits a figure.
+fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
+    let ticks = |pid: &str| -> f64 {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                let after = s.rsplit_once(')')?.1;
+                let f: Vec<&str> = after.split_whitespace().collect();
+                Some(f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?)
+            })
+            .unwrap_or(0.0)
+            / 100.0
+    };
+    let mut by_name = [0.0; 2];
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let pid = entry.file_name().to_string_lossy().into_owned();
+            if !pid.chars().all(|c| c.is_ascii_digit()) {
+                continue;
+            }
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            match comm.trim() {
+                "beam.smp" => by_name[0] += ticks(&pid),
+                "postgres" => by_name[1] += ticks(&pid),
+                _ => {}
+            }
+        }
+    }
+    [
+        by_name[0],
+        by_name[1],
+        ticks("self"),
+        extra.map_or(0.0, |p| ticks(&p.to_string())),
+    ]
+}
+
+fn cpu_share(before: [f64; 4], after: [f64; 4], wall: f64) -> serde_json::Value {
+    let share = |i: usize| round((after[i] - before[i]) / wall);
+    json!({ "broker_cores": share(0), "postgres_cores": share(1), "bench_cores": share(2), "relay_cores": share(3) })
 }
 
 fn status_kib(pid: u32, field: &str) -> Option<u64> {
@@ -856,9 +925,10 @@ async fn history(env: &mut Env) -> BoxResult<Figure> {
                 .inbox_retention(None)
                 .build()?,
         );
-        let target = n as u64 + if with_history { history_rows as u64 } else { 0 };
-        let done = wait_sent_exact(env, &outbox, n as i64, Duration::from_secs(300)).await?;
-        let _ = target;
+        let total = n as u64 + if with_history { history_rows as u64 } else { 0 };
+        let done = env
+            .wait_sent(&outbox, total, Duration::from_secs(300))
+            .await?;
         rates.push(n as f64 / (done - started).as_secs_f64());
         relay.stop().await?;
     }
@@ -872,24 +942,4 @@ async fn history(env: &mut Env) -> BoxResult<Figure> {
     };
     f.emit();
     Ok(f)
-}
-
-/// Waits until no pending row is left (`stats().sent` is an estimate past 100,000).
-async fn wait_sent_exact(
-    env: &mut Env,
-    outbox: &Outbox,
-    _n: i64,
-    limit: Duration,
-) -> BoxResult<Instant> {
-    let deadline = Instant::now() + limit;
-    loop {
-        let stats = outbox.stats(&mut env.conn).await?;
-        if stats.pending == 0 && stats.in_flight == 0 {
-            return Ok(Instant::now());
-        }
-        if Instant::now() > deadline {
-            return Err("history backlog not drained".into());
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }

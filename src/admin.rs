@@ -10,6 +10,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::sql::SENT_EXACT_LIMIT;
+use crate::statement::Statement;
 
 /// Rows deleted per statement by the purge operations, so no statement holds long locks.
 pub(crate) const PURGE_BATCH: i64 = 1_000;
@@ -94,7 +95,10 @@ impl Outbox {
     /// # Errors
     /// [`Error::NotMigrated`] or a database error.
     pub async fn stats(&self, conn: &mut AsyncPgConnection) -> Result<Stats> {
-        let row = diesel::sql_query(self.statements().stats.as_str())
+        let row = self
+            .statements()
+            .stats
+            .query()
             .bind::<Text, _>(self.inner.table.quoted_with("_sent_idx"))
             .get_result::<StatsRow>(conn)
             .await
@@ -140,7 +144,10 @@ impl Outbox {
             return Err(Error::invalid("redrive: an idempotency key is empty"));
         }
         let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
-        let rows = diesel::sql_query(self.statements().redrive.as_str())
+        let rows = self
+            .statements()
+            .redrive
+            .query()
             .bind::<Array<Text>, _>(keys)
             .load::<KeyRow>(conn)
             .await
@@ -163,7 +170,9 @@ impl Outbox {
         if limit == 0 {
             return Err(Error::invalid("dead_letters: limit must be at least 1"));
         }
-        diesel::sql_query(self.statements().dead_letters.as_str())
+        self.statements()
+            .dead_letters
+            .query()
             .bind::<BigInt, _>(i64::from(limit))
             .load::<DeadLetter>(conn)
             .await
@@ -204,7 +213,7 @@ impl Outbox {
     async fn purge(
         &self,
         conn: &mut AsyncPgConnection,
-        sql: &str,
+        sql: &Statement,
         older_than: Duration,
     ) -> Result<u64> {
         let age = purge_age(older_than)?;
@@ -222,11 +231,12 @@ impl Outbox {
     pub(crate) async fn purge_batch(
         &self,
         conn: &mut AsyncPgConnection,
-        sql: &str,
+        sql: &Statement,
         age_us: i64,
         batch: i64,
     ) -> Result<u64> {
-        let n = diesel::sql_query(sql)
+        let n = sql
+            .query()
             .bind::<BigInt, _>(age_us)
             .bind::<BigInt, _>(batch)
             .execute(conn)

@@ -3,8 +3,6 @@
 
 use std::collections::HashSet;
 
-use diesel::pg::Pg;
-use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::sql_types::{Array, BigInt, Bool, Bytea, Jsonb, Nullable, Text};
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
@@ -12,8 +10,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use crate::error::{Error, Result};
 use crate::message::{MAX_SHORT, Message};
 use crate::outbox::Outbox;
-
-pub(crate) type Query = BoxedSqlQuery<'static, Pg, SqlQuery>;
+use crate::statement::Prepared;
 
 #[derive(QueryableByName)]
 pub(crate) struct EnqueuedRow {
@@ -103,7 +100,10 @@ impl Outbox {
     }
 
     /// Validates and binds an enqueue; `None` for an empty batch.
-    pub(crate) fn enqueue_query(&self, msgs: Vec<Message>) -> Result<Option<(Query, Vec<String>)>> {
+    pub(crate) fn enqueue_query(
+        &self,
+        msgs: Vec<Message>,
+    ) -> Result<Option<(Prepared<'_>, Vec<String>)>> {
         if msgs.is_empty() {
             return Ok(None);
         }
@@ -151,8 +151,8 @@ impl Outbox {
         } else {
             &sql.enqueue
         };
-        let mut query = diesel::sql_query(text.as_str())
-            .into_boxed()
+        let mut query = text
+            .query()
             .bind::<Array<Text>, _>(keys.clone())
             .bind::<Array<Text>, _>(topics)
             .bind::<Array<Nullable<Text>>, _>(aggs)
@@ -184,7 +184,7 @@ impl Outbox {
         Ok(keys)
     }
 
-    pub(crate) fn dedupe_query(&self, consumer: &str, key: &str) -> Result<Query> {
+    pub(crate) fn dedupe_query(&self, consumer: &str, key: &str) -> Result<Prepared<'_>> {
         for (what, value) in [("consumer", consumer), ("idempotency key", key)] {
             if value.is_empty() {
                 return Err(Error::invalid(format!("dedupe: {what} is empty")));
@@ -201,8 +201,10 @@ impl Outbox {
                 )));
             }
         }
-        Ok(diesel::sql_query(self.statements().dedupe.as_str())
-            .into_boxed()
+        Ok(self
+            .statements()
+            .dedupe
+            .query()
             .bind::<Text, _>(consumer.to_owned())
             .bind::<Text, _>(key.to_owned()))
     }

@@ -60,9 +60,14 @@
 //!    sent, retry (capped exponential backoff with jitter), or dead (after `max_attempts`,
 //!    or a permanent error).
 //!
-//! A full batch, or a sent row with pending successors in its aggregate, starts the next
-//! cycle at once. Otherwise the relay sleeps until a NOTIFY (held on a dedicated connection
-//! that reconnects by itself) or `poll_interval`. A row that keeps crashing or hanging relays
+//! Up to three batches are in flight at once, each publishing and then recording on a task
+//! of its own while the relay claims the next, so database and broker work overlap. A claim
+//! also takes, behind each aggregate's oldest pending message, the run of its due successors;
+//! the relay publishes such a run one message at a time, each after its predecessor's
+//! confirm, so a backlog of one aggregate drains at the broker's round-trip speed. After a
+//! failure the rest of the run is released untried. When nothing is due the relay sleeps
+//! until a NOTIFY (held on a dedicated connection that reconnects by itself) or
+//! `poll_interval`. A row that keeps crashing or hanging relays
 //! goes dead once claimed more than `max_attempts` times; a row that cannot be decoded dies
 //! alone. Shutdown ([`Relay::run_until`]) drains publishes under way and releases the rest
 //! without spending their attempts. Times always come from the database clock.
@@ -113,6 +118,7 @@ pub mod rabbitmq;
 mod relay;
 pub mod schema;
 mod sql;
+mod statement;
 #[cfg(feature = "sync")]
 pub mod sync;
 mod table;

@@ -77,7 +77,8 @@ impl Outbox {
                 for statement in statements {
                     diesel::sql_query(statement.as_str()).execute(c).await?;
                 }
-                diesel::sql_query(sql.record_version.as_str())
+                sql.record_version
+                    .query()
                     .bind::<Integer, _>(version)
                     .execute(c)
                     .await?;

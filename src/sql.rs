@@ -4,6 +4,7 @@
 //! is a bound parameter. Durations are bound as microseconds (`bigint`) and turned into
 //! intervals by PostgreSQL, so all times come from the database clock.
 
+use crate::statement::Statement;
 use crate::table::TableName;
 
 /// Statements of each migration version, in order. Version numbers start at 1.
@@ -12,24 +13,24 @@ pub(crate) struct Statements {
     pub(crate) create_schema: Option<String>,
     pub(crate) create_migrations: String,
     pub(crate) select_versions: String,
-    pub(crate) record_version: String,
+    pub(crate) record_version: Statement,
     pub(crate) migrations: Vec<Vec<String>>,
 
-    pub(crate) enqueue: String,
-    pub(crate) enqueue_notify: String,
-    pub(crate) dedupe: String,
+    pub(crate) enqueue: Statement,
+    pub(crate) enqueue_notify: Statement,
+    pub(crate) dedupe: Statement,
 
-    pub(crate) stats: String,
-    pub(crate) redrive: String,
-    pub(crate) dead_letters: String,
-    pub(crate) purge_sent: String,
-    pub(crate) purge_inbox: String,
+    pub(crate) stats: Statement,
+    pub(crate) redrive: Statement,
+    pub(crate) dead_letters: Statement,
+    pub(crate) purge_sent: Statement,
+    pub(crate) purge_inbox: Statement,
 
-    pub(crate) claim: String,
-    pub(crate) record_outcomes: String,
+    pub(crate) claim: Statement,
+    pub(crate) record_outcomes: Statement,
     pub(crate) listen: String,
-    pub(crate) relay_state: String,
-    pub(crate) relay_gone: String,
+    pub(crate) relay_state: Statement,
+    pub(crate) relay_gone: Statement,
 }
 
 /// Outcome kinds bound into [`Statements::record_outcomes`].
@@ -70,7 +71,7 @@ impl Statements {
                  \x20   CONSTRAINT {pkey} PRIMARY KEY (id),\n\
                  \x20   CONSTRAINT {unique} UNIQUE (idempotency_key),\n\
                  \x20   CONSTRAINT {check} CHECK (status IN ('pending', 'sent', 'dead'))\n\
-                 )",
+                 ) WITH (fillfactor = 70)",
                 seq = table.quoted_with("_id_seq"),
                 pkey = o("_pkey"),
                 unique = o("_key_unique"),
@@ -126,7 +127,7 @@ impl Statements {
              \x20   SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], \
              $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)\n\
              ), dup AS (\n\
-             \x20   SELECT t.idempotency_key AS k FROM {t} t JOIN m ON t.idempotency_key = m.k\n\
+             \x20   SELECT idempotency_key AS k FROM {t} WHERE idempotency_key = ANY($1::text[])\n\
              ), ins AS (\n\
              \x20   INSERT INTO {t} (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)\n\
              \x20   SELECT k, topic, agg, payload, ct, headers, now() + delay_us * interval '1 microsecond'\n\
@@ -151,11 +152,6 @@ impl Statements {
              CROSS JOIN (SELECT count(*) FROM wake) AS w"
         );
 
-        let successor = format!(
-            "EXISTS (SELECT 1 FROM {t} s WHERE s.status = 'pending' \
-             AND s.aggregate_key = t.aggregate_key AND s.id > t.id)"
-        );
-
         Statements {
             create_schema: table
                 .schema()
@@ -169,19 +165,19 @@ impl Statements {
                 pkey = o("_migrations_pkey"),
             ),
             select_versions: format!("SELECT version FROM {migrations_table} ORDER BY version"),
-            record_version: format!(
+            record_version: Statement::new(format!(
                 "INSERT INTO {migrations_table} (version) VALUES ($1) ON CONFLICT DO NOTHING"
-            ),
+            )),
             migrations: vec![v1],
 
-            enqueue,
-            enqueue_notify,
-            dedupe: format!(
+            enqueue: Statement::new(enqueue),
+            enqueue_notify: Statement::new(enqueue_notify),
+            dedupe: Statement::new(format!(
                 "INSERT INTO {inbox} (consumer, idempotency_key) VALUES ($1, $2) \
                  ON CONFLICT DO NOTHING RETURNING true AS inserted"
-            ),
+            )),
 
-            stats: format!(
+            stats: Statement::new(format!(
                 "SELECT\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
                  AND (lease_until IS NULL OR lease_until <= now())) AS pending,\n\
@@ -194,26 +190,26 @@ impl Statements {
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'dead') AS dead,\n\
                  \x20   (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
                  FROM {t} WHERE status = 'pending' AND available_at <= now()) AS lag_us"
-            ),
-            redrive: format!(
+            )),
+            redrive: Statement::new(format!(
                 "UPDATE {t} SET status = 'pending', attempts = 0, available_at = now(), \
                  lease_until = NULL, dead_at = NULL \
                  WHERE status = 'dead' AND (cardinality($1::text[]) = 0 OR idempotency_key = ANY($1)) \
                  RETURNING idempotency_key AS key"
-            ),
-            dead_letters: format!(
+            )),
+            dead_letters: Statement::new(format!(
                 "SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, \
                  created_at, dead_at FROM {t} WHERE status = 'dead' ORDER BY id LIMIT $1"
-            ),
-            purge_sent: format!(
+            )),
+            purge_sent: Statement::new(format!(
                 "WITH doomed AS MATERIALIZED (\n\
                  \x20   SELECT id FROM {t} WHERE status = 'sent' \
                  AND sent_at < now() - $1 * interval '1 microsecond'\n\
                  \x20   ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED\n\
                  )\n\
                  DELETE FROM {t} WHERE id IN (SELECT id FROM doomed)"
-            ),
-            purge_inbox: format!(
+            )),
+            purge_inbox: Statement::new(format!(
                 "WITH doomed AS MATERIALIZED (\n\
                  \x20   SELECT consumer, idempotency_key FROM {inbox} \
                  WHERE processed_at < now() - $1 * interval '1 microsecond'\n\
@@ -221,13 +217,17 @@ impl Statements {
                  )\n\
                  DELETE FROM {inbox} WHERE (consumer, idempotency_key) IN \
                  (SELECT consumer, idempotency_key FROM doomed)"
-            ),
+            )),
 
-            // $1 batch size, $2 lease (µs), $3 max attempts. A row claimed again after it
-            // has used up its attempts without an outcome (a crash loop) goes dead here.
-            claim: format!(
-                "WITH due AS MATERIALIZED (\n\
-                 \x20   SELECT id FROM {t} o\n\
+            // $1 batch size, $2 lease (µs), $3 max attempts. Claims heads (rows with no
+            // older pending row in their aggregate) and, behind each aggregate head, the run
+            // of its due successors: the relay publishes such a run one message at a time.
+            // Only the relay holding the head's lock gets its run, so no two relays ever
+            // hold rows of one aggregate. A row claimed again after it has used up its
+            // attempts without an outcome (a crash loop) goes dead here.
+            claim: Statement::new(format!(
+                "WITH heads AS MATERIALIZED (\n\
+                 \x20   SELECT id, aggregate_key FROM {t} o\n\
                  \x20   WHERE status = 'pending' AND available_at <= now()\n\
                  \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
                  \x20     AND (aggregate_key IS NULL OR NOT EXISTS (\n\
@@ -235,6 +235,23 @@ impl Statements {
                  \x20         AND p.aggregate_key = o.aggregate_key AND p.id < o.id))\n\
                  \x20   ORDER BY id LIMIT $1\n\
                  \x20   FOR UPDATE SKIP LOCKED\n\
+                 ), runs AS MATERIALIZED (\n\
+                 \x20   SELECT r.id FROM heads h CROSS JOIN LATERAL (\n\
+                 \x20       SELECT n.id, bool_and(n.ready) OVER (ORDER BY n.id) AS unbroken FROM (\n\
+                 \x20           SELECT s.id, s.available_at <= now() \
+                 AND (s.lease_until IS NULL OR s.lease_until <= now()) AS ready\n\
+                 \x20           FROM {t} s WHERE s.status = 'pending'\n\
+                 \x20           AND s.aggregate_key = h.aggregate_key AND s.id > h.id\n\
+                 \x20           ORDER BY s.id LIMIT $1\n\
+                 \x20       ) AS n\n\
+                 \x20   ) AS r\n\
+                 \x20   WHERE h.aggregate_key IS NOT NULL AND r.unbroken\n\
+                 ), due AS MATERIALIZED (\n\
+                 \x20   SELECT id FROM (SELECT id FROM heads UNION ALL SELECT id FROM runs) AS a\n\
+                 \x20   ORDER BY id LIMIT $1\n\
+                 ), locked AS MATERIALIZED (\n\
+                 \x20   SELECT id FROM {t} WHERE id IN (SELECT id FROM due) AND status = 'pending'\n\
+                 \x20   FOR UPDATE\n\
                  )\n\
                  UPDATE {t} t SET\n\
                  \x20   attempts = t.attempts + 1,\n\
@@ -247,13 +264,13 @@ impl Statements {
                  THEN 'claimed ' || (t.attempts + 1) || ' times without an outcome \
                  (relay crashed or lease expired); max_attempts is ' || $3 \
                  ELSE t.last_error END\n\
-                 FROM due WHERE t.id = due.id\n\
+                 FROM locked WHERE t.id = locked.id\n\
                  RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, \
                  t.content_type, t.headers, t.attempts, t.fencing_token, t.created_at, t.status"
-            ),
+            )),
             // One statement for every outcome of a batch, fenced by token and status: a
             // relay whose lease was taken over updates nothing.
-            record_outcomes: format!(
+            record_outcomes: Statement::new(format!(
                 "UPDATE {t} t SET\n\
                  \x20   status = CASE o.kind WHEN '{OUTCOME_SENT}' THEN 'sent' \
                  WHEN '{OUTCOME_DEAD}' THEN 'dead' ELSE 'pending' END,\n\
@@ -269,17 +286,18 @@ impl Statements {
                  FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::bigint[], $5::text[]) \
                  AS o(id, token, kind, delay_us, err)\n\
                  WHERE t.id = o.id AND t.fencing_token = o.token AND t.status = 'pending'\n\
-                 RETURNING t.id, (o.kind = '{OUTCOME_SENT}' AND t.aggregate_key IS NOT NULL \
-                 AND {successor}) AS has_successor"
-            ),
+                 RETURNING t.id"
+            )),
             listen: format!("LISTEN \"{}\"", table.channel()),
             // $1 relay id, $2 idle, $3 time to live (µs).
-            relay_state: format!(
+            relay_state: Statement::new(format!(
                 "INSERT INTO {relays} (relay_id, idle, expires_at) \
                  VALUES ($1, $2, now() + $3 * interval '1 microsecond') \
                  ON CONFLICT (relay_id) DO UPDATE SET idle = excluded.idle, expires_at = excluded.expires_at"
-            ),
-            relay_gone: format!("DELETE FROM {relays} WHERE relay_id = $1 OR expires_at < now()"),
+            )),
+            relay_gone: Statement::new(format!(
+                "DELETE FROM {relays} WHERE relay_id = $1 OR expires_at < now()"
+            )),
         }
     }
 
@@ -291,7 +309,11 @@ impl Statements {
         out.push(self.create_migrations.clone());
         for (i, statements) in self.migrations.iter().enumerate() {
             out.extend(statements.iter().cloned());
-            out.push(self.record_version.replace("$1", &(i + 1).to_string()));
+            out.push(
+                self.record_version
+                    .text()
+                    .replace("$1", &(i + 1).to_string()),
+            );
         }
         out
     }

@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS "outbox" (
     CONSTRAINT "outbox_pkey" PRIMARY KEY (id),
     CONSTRAINT "outbox_key_unique" UNIQUE (idempotency_key),
     CONSTRAINT "outbox_status_check" CHECK (status IN ('pending', 'sent', 'dead'))
-);
+) WITH (fillfactor = 70);
 
 CREATE INDEX IF NOT EXISTS "outbox_pending_idx" ON "outbox" (id) WHERE status = 'pending';
 

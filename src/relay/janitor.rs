@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::outbox::Outbox;
+use crate::statement::Statement;
 
 use super::PgPool;
 
@@ -46,7 +47,12 @@ pub(crate) async fn run(
     }
 }
 
-async fn purge(outbox: &Outbox, pool: &PgPool, sql: &str, age: Duration) -> crate::Result<u64> {
+async fn purge(
+    outbox: &Outbox,
+    pool: &PgPool,
+    sql: &Statement,
+    age: Duration,
+) -> crate::Result<u64> {
     let age = crate::admin::purge_age(age)?;
     let mut total = 0;
     loop {

@@ -3,29 +3,29 @@
 mod janitor;
 mod listener;
 mod options;
+mod publish;
 mod store;
 
 use std::future::Future;
-use std::pin::{Pin, pin};
+use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
-use futures_util::future::FusedFuture;
-use futures_util::stream::{self, BoxStream};
-use futures_util::{FutureExt, StreamExt};
-use tokio::task::JoinHandle;
+use futures_util::FutureExt;
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::metrics::{Metrics, NoMetrics};
 use crate::outbox::Outbox;
-use crate::publisher::{PublishError, Publisher, Record};
+use crate::publisher::Publisher;
 
 use self::listener::Wake;
 use self::options::Options;
-use self::store::{Batch, Claimed, Outcome};
+use self::store::{Batch, Outcome};
 
 /// The connection pool a relay takes its connections from.
 ///
@@ -74,8 +74,10 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
-    /// Records published at once when the publisher publishes one by one (1 to 1,024);
-    /// a pipelining publisher gets the whole batch instead. Defaults to 4.
+    /// Records of one batch published at once when the publisher publishes one by one
+    /// (1 to 1,024); a pipelining publisher gets the whole batch instead. Up to three
+    /// batches are in flight at once (one claiming, others publishing or recording), so a
+    /// relay may run up to three times this many publishes. Defaults to 4.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.options.concurrency = n;
         self
@@ -210,6 +212,8 @@ struct Inner<P> {
     id: String,
 }
 
+/// Claimed batches publishing at once.
+const PIPELINE: usize = 3;
 /// After work, the relay keeps looking for this long before it calls itself idle.
 const LINGER: Duration = Duration::from_millis(50);
 /// How often it looks while lingering.
@@ -219,11 +223,10 @@ const IDLE_REFRESH: Duration = Duration::from_secs(10);
 /// ...and the record lapses after this long, so a crashed relay stops drawing NOTIFYs.
 const IDLE_TTL: Duration = Duration::from_secs(35);
 
-/// What one cycle did.
-struct Cycle {
-    claimed: usize,
-    /// Claim again without waiting: a full batch, or a sent row with successors.
-    again: bool,
+/// Completes once `stop` turns true (or its sender is gone).
+pub(crate) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
+    // The guard `wait_for` returns is not `Send`: drop it here, not across an await.
+    let _ = stop.wait_for(|stopping| *stopping).await.map(|_| ());
 }
 
 /// Aborts a background task when dropped, so a dropped relay leaks nothing.
@@ -272,51 +275,79 @@ impl<P: Publisher> Relay<P> {
             )))
         });
 
+        let (stop, stopping) = watch::channel(false);
+        let run = self.run(stopping);
+        let mut run = pin!(run);
         let mut shutdown = pin!(shutdown.fuse());
+        let result = loop {
+            tokio::select! {
+                result = &mut run => break result,
+                () = &mut shutdown => {
+                    let _ = stop.send(true);
+                }
+            }
+        };
+        tracing::info!(table = %table, "relay stopped");
+        result
+    }
+
+    /// The relay loop. Up to [`PIPELINE`] claimed batches publish (and then record their
+    /// outcomes) at once, each on a task of its own, so claiming, publishing and recording
+    /// overlap. Returns once `stop` is true and every batch in flight was drained.
+    async fn run(&self, stop: watch::Receiver<bool>) -> Result<()> {
+        let inner = &self.inner;
+        let table = inner.outbox.table();
+        let mut stopped = stop.clone();
+        let mut in_flight: JoinSet<()> = JoinSet::new();
         let mut failures = 0u32;
         let mut linger_until = Instant::now() + LINGER;
-        'run: loop {
-            if shutdown.is_terminated() || (&mut shutdown).now_or_never().is_some() {
-                break;
+        let mut claim_more = true;
+        let result = 'run: loop {
+            let stopping = *stop.borrow();
+            if stopping {
+                break Ok(());
             }
-            match self.cycle(shutdown.as_mut()).await {
-                Ok(cycle) => {
-                    failures = 0;
-                    if shutdown.is_terminated() {
-                        break;
-                    }
-                    if cycle.again {
+            if claim_more && in_flight.len() < PIPELINE {
+                match self.claim().await {
+                    Ok(batch) if batch.claimed() > 0 => {
+                        failures = 0;
+                        // A batch that was not full says the backlog is drained for now.
+                        claim_more = batch.claimed() >= inner.options.batch_size;
+                        self.start(&mut in_flight, batch, &stop);
                         continue;
                     }
-                    if cycle.claimed > 0 {
-                        linger_until = Instant::now() + LINGER;
-                    }
-                }
-                Err(e @ Error::NotMigrated { .. }) => {
-                    self.forget().await;
-                    return Err(e);
-                }
-                Err(e) => {
-                    failures += 1;
-                    let delay = inner
-                        .options
-                        .backoff(failures)
-                        .min(inner.options.poll_interval);
-                    tracing::warn!(table = %table, error = %e, retry_in = ?delay, "relay cycle failed");
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => continue,
-                        () = &mut shutdown => break,
+                    Ok(_) => {}
+                    Err(e @ Error::NotMigrated { .. }) => break Err(e),
+                    Err(e) => {
+                        failures += 1;
+                        let delay = inner
+                            .options
+                            .backoff(failures)
+                            .min(inner.options.poll_interval);
+                        tracing::warn!(table = %table, error = %e, retry_in = ?delay, "relay cycle failed");
+                        tokio::select! {
+                            () = tokio::time::sleep(delay) => continue,
+                            () = until_stopped(&mut stopped) => break Ok(()),
+                        }
                     }
                 }
             }
+            if let Some(done) = in_flight.join_next().await {
+                self.finished(done);
+                linger_until = Instant::now() + LINGER;
+                // Claim again at once: there may be more, or a sent row's successors.
+                claim_more = true;
+                continue;
+            }
 
-            // Nothing due. Right after work, keep looking often for a while: under steady
-            // traffic the relay stays awake and writers need not NOTIFY at all.
+            // Nothing due and nothing in flight. Right after work, keep looking often for a
+            // while: under steady traffic the relay stays awake and writers need not NOTIFY.
+            claim_more = true;
             if Instant::now() < linger_until {
                 tokio::select! {
                     () = inner.wake.notify.notified() => {}
                     () = tokio::time::sleep(LINGER_POLL) => {}
-                    () = &mut shutdown => break,
+                    () = until_stopped(&mut stopped) => break Ok(()),
                 }
                 continue;
             }
@@ -325,14 +356,14 @@ impl<P: Publisher> Relay<P> {
             // and skipped its NOTIFY), then wait for a wake-up or the poll interval.
             let registered = self.listening() && self.mark_idle(true).await;
             if registered {
-                match self.cycle(shutdown.as_mut()).await {
-                    Ok(cycle) if cycle.claimed > 0 => {
+                match self.claim().await {
+                    Ok(batch) if batch.claimed() > 0 => {
                         self.mark_idle(false).await;
-                        linger_until = Instant::now() + LINGER;
+                        self.start(&mut in_flight, batch, &stop);
                         continue;
                     }
-                    _ if shutdown.is_terminated() => break,
-                    _ => {}
+                    Ok(_) => {}
+                    Err(e) => tracing::debug!(table = %table, error = %e, "claim failed"),
                 }
             }
             tracing::trace!(table = %table, "relay idle");
@@ -349,16 +380,37 @@ impl<P: Publisher> Relay<P> {
                             self.mark_idle(true).await;
                         }
                     }
-                    () = &mut shutdown => break 'run,
+                    () = until_stopped(&mut stopped) => break 'run Ok(()),
                 }
             }
             if registered {
                 self.mark_idle(false).await;
             }
+        };
+        // Shutdown: batches in flight drain (their tasks saw `stop`), then are recorded.
+        while let Some(done) = in_flight.join_next().await {
+            self.finished(done);
         }
         self.forget().await;
-        tracing::info!(table = %table, "relay stopped");
-        Ok(())
+        result
+    }
+
+    /// Publishes a claimed batch and records its outcomes on a task of its own.
+    fn start(&self, in_flight: &mut JoinSet<()>, batch: Batch, stop: &watch::Receiver<bool>) {
+        let this = self.clone();
+        let stop = stop.clone();
+        in_flight.spawn(async move {
+            let outcomes = this.process(batch, stop).await;
+            this.record(&outcomes).await;
+        });
+    }
+
+    /// Reports a batch task that panicked (a publisher bug). Its rows stay leased: they are
+    /// claimed again after the lease, and die if that keeps happening.
+    fn finished(&self, done: std::result::Result<(), tokio::task::JoinError>) {
+        if let Err(e) = done {
+            tracing::error!(table = %self.inner.outbox.table(), error = %e, "publishing a batch panicked");
+        }
     }
 
     /// Records whether this relay is idle and listening (writers NOTIFY only then).
@@ -398,8 +450,14 @@ impl<P: Publisher> Relay<P> {
     /// # Errors
     /// A database or pool error, or [`Error::NotMigrated`].
     pub async fn run_once(&self) -> Result<usize> {
-        let never = pin!(std::future::pending::<()>().fuse());
-        Ok(self.cycle(never).await?.claimed)
+        let batch = self.claim().await?;
+        let claimed = batch.claimed();
+        if claimed > 0 {
+            let (_keep, never) = watch::channel(false);
+            let outcomes = self.process(batch, never).await;
+            self.record(&outcomes).await;
+        }
+        Ok(claimed)
     }
 
     /// True while the relay holds its LISTEN connection (so a commit wakes it at once).
@@ -407,176 +465,29 @@ impl<P: Publisher> Relay<P> {
         self.inner.wake.listening.load(Ordering::SeqCst)
     }
 
-    async fn cycle<S>(&self, mut shutdown: Pin<&mut S>) -> Result<Cycle>
-    where
-        S: Future<Output = ()> + FusedFuture,
-    {
+    /// Claims up to `batch_size` due rows.
+    async fn claim(&self) -> Result<Batch> {
         let inner = &self.inner;
         let o = &inner.options;
-        let batch = {
-            let mut conn = inner.pool.get().await?;
-            inner
-                .outbox
-                .claim(&mut conn, o.batch_size, o.lease, o.max_attempts)
-                .await?
-        };
+        let started = Instant::now();
+        let mut conn = inner.pool.get().await?;
+        let batch = inner
+            .outbox
+            .claim(&mut conn, o.batch_size, o.lease, o.max_attempts)
+            .await?;
         let claimed = batch.claimed();
-        if claimed == 0 {
-            return Ok(Cycle {
-                claimed,
-                again: false,
-            });
+        if claimed > 0 {
+            inner.metrics.claimed(claimed);
+            tracing::debug!(table = %inner.outbox.table(), claimed, took = ?started.elapsed(), "claimed");
         }
-        inner.metrics.claimed(claimed);
-        tracing::debug!(table = %inner.outbox.table(), claimed, "claimed");
-
-        let Batch {
-            ready,
-            crash_looped,
-            undecodable,
-        } = batch;
-        for record in &crash_looped {
-            tracing::error!(
-                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
-                attempts = record.attempt,
-                "dead letter: claimed again and again without an outcome (relay crashing or hanging on it)"
-            );
-            inner.metrics.dead_lettered(&record.topic, record.attempt);
-        }
-        let mut outcomes = Vec::with_capacity(claimed);
-        for (record, outcome) in undecodable {
-            tracing::error!(
-                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
-                error = outcome.error.as_deref().unwrap_or_default(),
-                "dead letter: row cannot be decoded"
-            );
-            inner.metrics.dead_lettered(&record.topic, record.attempt);
-            outcomes.push(outcome);
-        }
-        outcomes.extend(self.publish(ready, shutdown.as_mut()).await);
-        let recorded = self.record(&outcomes).await;
-        Ok(Cycle {
-            claimed,
-            again: claimed >= o.batch_size || recorded.has_successor,
-        })
-    }
-
-    /// Publishes a batch and turns each result into an outcome. Honors shutdown: records
-    /// not started are released, and publishes still running at the drain timeout too.
-    async fn publish<S>(&self, ready: Vec<Claimed>, mut shutdown: Pin<&mut S>) -> Vec<Outcome>
-    where
-        S: Future<Output = ()> + FusedFuture,
-    {
-        let inner = &self.inner;
-        if ready.is_empty() {
-            return Vec::new();
-        }
-        let (records, tokens): (Vec<Record>, Vec<i64>) =
-            ready.into_iter().map(|c| (c.record, c.token)).unzip();
-        let mut results: Vec<Option<(Result<(), PublishError>, Duration)>> =
-            (0..records.len()).map(|_| None).collect();
-
-        let stop = Arc::new(AtomicBool::new(
-            shutdown.is_terminated() || shutdown.as_mut().now_or_never().is_some(),
-        ));
-        if !stop.load(Ordering::SeqCst) {
-            let started = Instant::now();
-            let mut stream: BoxStream<'_, (usize, Option<Result<(), PublishError>>)> =
-                match inner.publisher.publish_batch(&records) {
-                    Some(pipelined) => pipelined.map(|(i, r)| (i, Some(r))).boxed(),
-                    None => stream::iter(records.iter().enumerate())
-                        .map(|(i, record)| {
-                            let stop = stop.clone();
-                            async move {
-                                // Futures start when first polled: a record whose turn comes
-                                // after shutdown is never started.
-                                if stop.load(Ordering::SeqCst) {
-                                    return (i, None);
-                                }
-                                (i, Some(inner.publisher.publish(record).await))
-                            }
-                        })
-                        .buffer_unordered(inner.options.concurrency)
-                        .boxed(),
-                };
-            let mut drain_deadline: Option<Instant> = None;
-            loop {
-                let deadline =
-                    drain_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
-                tokio::select! {
-                    item = stream.next() => match item {
-                        Some((i, result)) => {
-                            results[i] = result.map(|r| (r, started.elapsed()));
-                        }
-                        None => break,
-                    },
-                    () = &mut shutdown, if drain_deadline.is_none() => {
-                        stop.store(true, Ordering::SeqCst);
-                        drain_deadline = Some(Instant::now() + inner.options.drain_timeout);
-                        tracing::info!(
-                            table = %inner.outbox.table(), drain_timeout = ?inner.options.drain_timeout,
-                            "relay shutting down: draining publishes under way"
-                        );
-                    }
-                    () = tokio::time::sleep_until(deadline), if drain_deadline.is_some() => {
-                        tracing::warn!(table = %inner.outbox.table(), "drain timeout: releasing unfinished publishes");
-                        break;
-                    }
-                }
-            }
-        }
-
-        let mut released = 0;
-        let outcomes = records
-            .iter()
-            .zip(tokens)
-            .zip(results)
-            .map(|((record, token), result)| {
-                match result {
-                    None => {
-                        released += 1;
-                        Outcome::release(record.id, token)
-                    }
-                    Some((Ok(()), took)) => {
-                        tracing::trace!(key = %record.key, topic = %record.topic, attempt = record.attempt, ?took, "published");
-                        inner.metrics.published(&record.topic, record.attempt, took);
-                        Outcome::sent(record.id, token)
-                    }
-                    Some((Err(err), _)) => self.failure(record, token, &err),
-                }
-            })
-            .collect();
-        if released > 0 {
-            tracing::info!(table = %inner.outbox.table(), released, "released unpublished claims");
-            inner.metrics.released(released);
-        }
-        outcomes
-    }
-
-    fn failure(&self, record: &Record, token: i64, err: &PublishError) -> Outcome {
-        let inner = &self.inner;
-        inner.metrics.failed(&record.topic, record.attempt, err);
-        if err.is_permanent() || record.attempt >= inner.options.max_attempts {
-            tracing::error!(
-                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
-                attempts = record.attempt, error = %err, "dead letter"
-            );
-            inner.metrics.dead_lettered(&record.topic, record.attempt);
-            Outcome::dead(record.id, token, err)
-        } else {
-            let delay = inner.options.backoff(record.attempt);
-            tracing::warn!(
-                table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
-                attempt = record.attempt, retry_in = ?delay, error = %err, "publish failed; will retry"
-            );
-            Outcome::retry(record.id, token, delay, err)
-        }
+        Ok(batch)
     }
 
     /// Records outcomes, retrying briefly: a row whose outcome is lost stays leased until
     /// its lease ends and is then published again.
     async fn record(&self, outcomes: &[Outcome]) -> store::Recorded {
         let inner = &self.inner;
+        let started = Instant::now();
         let mut delay = Duration::from_millis(50);
         for attempt in 1..=5 {
             let result = async {
@@ -586,6 +497,7 @@ impl<P: Publisher> Relay<P> {
             .await;
             match result {
                 Ok(recorded) => {
+                    tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
                     if recorded.fenced > 0 {
                         tracing::warn!(
                             table = %inner.outbox.table(), fenced = recorded.fenced,

@@ -4,14 +4,17 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use diesel::QueryResult;
 use diesel::QueryableByName;
+use diesel::pg::Pg;
 use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Jsonb, Nullable, Text, Timestamptz};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Record;
 use crate::sql::{OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT};
+use crate::statement::Prepared;
 
 /// `last_error` is cut to at most this many bytes.
 pub(crate) const MAX_ERROR_BYTES: usize = 2_000;
@@ -47,8 +50,6 @@ struct OutcomeRow {
     #[diesel(sql_type = BigInt)]
     #[allow(dead_code)] // returned to count the rows that were updated
     id: i64,
-    #[diesel(sql_type = Bool)]
-    has_successor: bool,
 }
 
 /// A claimed record with the fencing token its outcome must carry.
@@ -135,8 +136,6 @@ impl Outcome {
 pub(crate) struct Recorded {
     /// Outcomes that did not apply: another relay holds a newer claim (fencing).
     pub(crate) fenced: usize,
-    /// A sent row had pending successors in its aggregate: claim again at once.
-    pub(crate) has_successor: bool,
 }
 
 impl Outbox {
@@ -148,13 +147,14 @@ impl Outbox {
         lease: Duration,
         max_attempts: u32,
     ) -> Result<Batch> {
-        let rows = diesel::sql_query(self.statements().claim.as_str())
+        let rows = self
+            .statements()
+            .claim
+            .query()
             .bind::<BigInt, _>(i64::try_from(batch_size).unwrap_or(i64::MAX))
             .bind::<BigInt, _>(micros(lease))
-            .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX))
-            .load::<ClaimRow>(conn)
-            .await
-            .map_err(|e| self.db_error(e))?;
+            .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX));
+        let rows: Vec<ClaimRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
         let mut batch = Batch::default();
         for row in rows {
             let headers = decode_headers(&row.headers);
@@ -198,18 +198,18 @@ impl Outbox {
         let kinds: Vec<&str> = outcomes.iter().map(|o| o.kind).collect();
         let delays: Vec<i64> = outcomes.iter().map(|o| micros(o.delay)).collect();
         let errors: Vec<Option<&str>> = outcomes.iter().map(|o| o.error.as_deref()).collect();
-        let rows = diesel::sql_query(self.statements().record_outcomes.as_str())
+        let rows = self
+            .statements()
+            .record_outcomes
+            .query()
             .bind::<Array<BigInt>, _>(ids)
             .bind::<Array<BigInt>, _>(tokens)
             .bind::<Array<Text>, _>(kinds)
             .bind::<Array<BigInt>, _>(delays)
-            .bind::<Array<Nullable<Text>>, _>(errors)
-            .load::<OutcomeRow>(conn)
-            .await
-            .map_err(|e| self.db_error(e))?;
+            .bind::<Array<Nullable<Text>>, _>(errors);
+        let rows: Vec<OutcomeRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
         Ok(Recorded {
             fenced: outcomes.len().saturating_sub(rows.len()),
-            has_successor: rows.iter().any(|r| r.has_successor),
         })
     }
 }
@@ -223,7 +223,9 @@ impl Outbox {
         idle: bool,
         ttl: Duration,
     ) -> Result<()> {
-        diesel::sql_query(self.statements().relay_state.as_str())
+        self.statements()
+            .relay_state
+            .query()
             .bind::<Text, _>(relay_id)
             .bind::<Bool, _>(idle)
             .bind::<BigInt, _>(micros(ttl))
@@ -239,13 +241,31 @@ impl Outbox {
         conn: &mut AsyncPgConnection,
         relay_id: &str,
     ) -> Result<()> {
-        diesel::sql_query(self.statements().relay_gone.as_str())
+        self.statements()
+            .relay_gone
+            .query()
             .bind::<Text, _>(relay_id)
             .execute(conn)
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(())
     }
+}
+
+/// Runs one of the relay's statements in a transaction that lets the planner use only index
+/// scans. They must walk the partial indexes in id order and stop at the batch size; right
+/// after a bulk load, stale statistics can make a bitmap scan and sort look cheaper, and that
+/// costs time in proportion to the whole backlog on every claim.
+async fn by_index<R>(conn: &mut AsyncPgConnection, query: Prepared<'_>) -> QueryResult<Vec<R>>
+where
+    R: QueryableByName<Pg> + Send + 'static,
+{
+    conn.transaction(async move |c| {
+        c.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
+            .await?;
+        query.load::<R>(c).await
+    })
+    .await
 }
 
 fn decode_headers(
