@@ -1050,3 +1050,108 @@ async fn a_relay_on_a_missing_table_says_to_migrate() {
     let err = relay.run_until(std::future::pending()).await.unwrap_err();
     assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
 }
+
+#[tokio::test]
+async fn concurrent_relays_with_failures_keep_every_aggregate_in_order() {
+    let mut f = fixture().await;
+    let mut msgs = Vec::new();
+    for seq in 0..20 {
+        for agg in 0..10 {
+            msgs.push(
+                Message::new("t", format!("{seq}"))
+                    .key(format!("a{agg}-{seq:02}"))
+                    .aggregate_key(format!("a{agg}")),
+            );
+        }
+    }
+    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+
+    // Every fifth first attempt fails; successes are recorded in arrival order.
+    let recorder = Recorder::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut relays = Vec::new();
+    for _ in 0..3 {
+        let inner = recorder.clone();
+        let calls = calls.clone();
+        let relay = f
+            .outbox
+            .relay(
+                common::pool(3).await,
+                publisher_fn(move |record| {
+                    let inner = inner.clone();
+                    let n = calls.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        if record.attempt == 1 && n % 5 == 0 {
+                            return Err(PublishError::transient("flaky broker"));
+                        }
+                        inner.publish(&record).await
+                    }
+                }),
+            )
+            .batch_size(16)
+            .concurrency(8)
+            .backoff(Duration::from_millis(5), Duration::from_millis(10))
+            .poll_interval(Duration::from_millis(20))
+            .build()
+            .unwrap();
+        relays.push(spawn_relay(relay));
+    }
+    f.wait_rows("status = 'sent'", 200).await;
+    for (stop, task) in relays {
+        stop_relay(stop, task).await;
+    }
+    let records = recorder.records();
+    assert_eq!(records.len(), 200, "each message published once");
+    for agg in 0..10 {
+        let order: Vec<String> = records
+            .iter()
+            .filter(|r| r.aggregate_key.as_deref() == Some(&format!("a{agg}")))
+            .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+            .collect();
+        let expected: Vec<String> = (0..20).map(|s| s.to_string()).collect();
+        assert_eq!(order, expected, "aggregate a{agg}");
+    }
+}
+
+#[tokio::test]
+async fn a_failed_run_member_releases_its_successors_untried() {
+    let mut f = fixture().await;
+    for i in 0..4 {
+        f.enqueue(
+            Message::new("t", "x")
+                .key(format!("r{i}"))
+                .aggregate_key("run"),
+        )
+        .await;
+    }
+    let recorder = Recorder::default();
+    let inner = recorder.clone();
+    let metrics = CountingMetrics::default();
+    let relay = f
+        .outbox
+        .relay(
+            f.pool.clone(),
+            publisher_fn(move |record| {
+                let inner = inner.clone();
+                async move {
+                    if record.key == "r1" {
+                        return Err(PublishError::transient("fails"));
+                    }
+                    inner.publish(&record).await
+                }
+            }),
+        )
+        .metrics(metrics.clone())
+        .build()
+        .unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 4, "the head and its run");
+    assert_eq!(recorder.keys(), vec!["r0"]);
+    assert_eq!(metrics.get(|c| &c.released), 2);
+    assert_eq!(f.row("r0").await.status, "sent");
+    let failed = f.row("r1").await;
+    assert_eq!((failed.status.as_str(), failed.attempts), ("pending", 1));
+    for key in ["r2", "r3"] {
+        let untried = f.row(key).await;
+        assert_eq!((untried.attempts, untried.leased), (0, false), "{key}");
+    }
+}
