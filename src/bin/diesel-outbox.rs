@@ -412,6 +412,7 @@ async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let pool = PgPool::builder()
         .max_size(args.pool_size.max(1))

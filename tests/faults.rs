@@ -1,0 +1,853 @@
+//! Fault injection: the guarantees of DESIGN §1 under crashes, pauses and cuts (§12).
+//!
+//! Writers enqueue in transactions that also write a business row with a per-aggregate
+//! sequence taken under a row lock; about 20% roll back (half of those to a savepoint).
+//! Three relays run as separate processes (the `diesel-outbox relay` binary) and publish
+//! through a TCP fault proxy; a consumer records every delivery and applies its effect with
+//! `dedupe` in its own transaction. Meanwhile relays are SIGKILLed and restarted, SIGSTOPped
+//! for longer than their lease, their PostgreSQL backends (LISTEN included) terminated, their
+//! broker connections cut, and the broker restarted once. Then the faults stop, everything
+//! drains, and a checker reads ground truth from the database and the delivery log.
+//!
+//! ```sh
+//! cargo test --all-features --test faults                                    # CI tier
+//! cargo test --release --all-features --test faults -- --ignored --nocapture # long tier
+//! ```
+#![cfg(feature = "cli")]
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::ToSocketAddrs;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::TestSchema;
+use common::broker::{amqp_url, amqp_url_via};
+use common::proxy::FaultProxy;
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Integer, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::{Error, Message, Outbox};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+
+const RELAYS: usize = 3;
+const BATCH: usize = 50;
+/// Batches a relay may hold at once (claimed, publishing or recording).
+const PIPELINE: usize = 3;
+const LEASE: Duration = Duration::from_secs(2);
+
+struct Tier {
+    messages: usize,
+    writers: usize,
+    aggregates: usize,
+    /// Pause between fault events.
+    fault_every: Duration,
+    /// How long writing should take, so the faults spread over it.
+    writing: Duration,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fault_suite_ci_tier() {
+    run(Tier {
+        messages: 5_000,
+        writers: 4,
+        aggregates: 40,
+        fault_every: Duration::from_millis(1_500),
+        writing: Duration::from_secs(50),
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "long tier (about 20 minutes): cargo test --release --all-features --test faults -- --ignored"]
+async fn fault_suite_long_tier() {
+    run(Tier {
+        messages: 100_000,
+        writers: 8,
+        aggregates: 400,
+        fault_every: Duration::from_secs(4),
+        writing: Duration::from_secs(15 * 60),
+    })
+    .await;
+}
+
+/// What the harness saw, for the checker and the report.
+#[derive(Default)]
+struct Log {
+    rolled_back: Mutex<HashSet<String>>,
+    deliveries: Mutex<Vec<Delivery>>,
+    faults: Mutex<BTreeMap<&'static str, usize>>,
+}
+
+impl Log {
+    fn fault(&self, kind: &'static str) {
+        *self.faults.lock().unwrap().entry(kind).or_default() += 1;
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Delivery {
+    key: String,
+    aggregate: String,
+    seq: i64,
+    attempt: i64,
+    redelivered: bool,
+}
+
+struct Relays {
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    logs: PathBuf,
+    slots: Vec<Option<Child>>,
+    started: usize,
+}
+
+impl Relays {
+    fn spawn(&mut self, slot: usize) {
+        self.started += 1;
+        let log = std::fs::File::create(self.logs.join(format!("relay-{}.log", self.started)))
+            .expect("relay log");
+        let child = Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
+            .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start relay");
+        self.slots[slot] = Some(child);
+    }
+
+    fn signal(&self, slot: usize, signal: &str) {
+        if let Some(child) = &self.slots[slot] {
+            let _ = Command::new("kill")
+                .args([signal, &child.id().to_string()])
+                .status();
+        }
+    }
+
+    fn kill(&mut self, slot: usize) {
+        if let Some(mut child) = self.slots[slot].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM every relay and wait for clean exits.
+    fn stop_all(&mut self) {
+        for slot in 0..self.slots.len() {
+            self.signal(slot, "-CONT");
+            self.signal(slot, "-TERM");
+        }
+        for slot in 0..self.slots.len() {
+            if let Some(mut child) = self.slots[slot].take() {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    match child.try_wait().unwrap() {
+                        Some(status) => {
+                            assert!(status.success(), "relay exited with {status}");
+                            break;
+                        }
+                        None if Instant::now() > deadline => {
+                            let _ = child.kill();
+                            panic!("relay did not stop on SIGTERM");
+                        }
+                        None => std::thread::sleep(Duration::from_millis(50)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Outcomes discarded by fencing, as the relays logged them.
+    fn fenced(&self) -> usize {
+        let mut total = 0;
+        for entry in std::fs::read_dir(&self.logs).unwrap().flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            for line in text.lines().filter(|l| l.contains("outcomes discarded")) {
+                if let Some(n) = line
+                    .split("fenced=")
+                    .nth(1)
+                    .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+                    .and_then(|n| n.parse::<usize>().ok())
+                {
+                    total += n;
+                }
+            }
+        }
+        total
+    }
+}
+
+impl Drop for Relays {
+    fn drop(&mut self) {
+        for slot in 0..self.slots.len() {
+            self.signal(slot, "-CONT");
+            self.kill(slot);
+        }
+    }
+}
+
+async fn run(tier: Tier) {
+    let started = Instant::now();
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    conn.batch_execute(&format!(
+        "CREATE TABLE {s}.aggregates (name text PRIMARY KEY, next_seq bigint NOT NULL);
+         CREATE TABLE {s}.orders (key text PRIMARY KEY, aggregate text NOT NULL, seq bigint NOT NULL);
+         CREATE TABLE {s}.effects (key text NOT NULL);
+         INSERT INTO {s}.aggregates SELECT 'agg' || g, 0 FROM generate_series(1, {n}) g;",
+        s = schema.name,
+        n = tier.aggregates
+    ))
+    .await
+    .unwrap();
+
+    // A durable exchange and queue: they must survive the broker restart.
+    let exchange = common::unique("faults");
+    let queue = exchange.clone();
+    {
+        let amqp = common::broker::connect().await;
+        let channel = amqp.create_channel().await.unwrap();
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let _ = amqp.close(200, "declared".into()).await;
+    }
+
+    let upstream = authority(&amqp_url())
+        .to_socket_addrs()
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    let app_name = format!("outbox_fault_relay_{}", schema.name);
+    let logs = std::env::temp_dir().join(&schema.name);
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut relays = Relays {
+        args: [
+            "--table",
+            &table,
+            "relay",
+            "--exchange",
+            &exchange,
+            "--batch-size",
+            &BATCH.to_string(),
+            "--lease",
+            &format!("{}ms", LEASE.as_millis()),
+            "--poll-interval",
+            "200ms",
+            "--backoff-min",
+            "50ms",
+            "--backoff-max",
+            "1s",
+            "--max-attempts",
+            "1000",
+            "--drain-timeout",
+            "1s",
+            "--confirm-timeout",
+            "3s",
+            "--retention",
+            "off",
+            "--inbox-retention",
+            "off",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        env: vec![
+            (
+                "DATABASE_URL".into(),
+                with_application_name(&common::database_url(), &app_name),
+            ),
+            ("AMQP_URL".into(), amqp_url_via(proxy.addr)),
+            ("RUST_LOG".into(), "warn,diesel_outbox=info".into()),
+        ],
+        logs: logs.clone(),
+        // One spare slot for the relay that takes over from paused ones.
+        slots: (0..=RELAYS).map(|_| None).collect(),
+        started: 0,
+    };
+    for slot in 0..RELAYS {
+        relays.spawn(slot);
+    }
+
+    let log = Arc::new(Log::default());
+    let consuming = Arc::new(AtomicBool::new(true));
+    let consumer = tokio::spawn(consume(
+        queue.clone(),
+        outbox.clone(),
+        schema.name.clone(),
+        log.clone(),
+        consuming.clone(),
+    ));
+
+    // Writers, paced so the writing spans the fault period.
+    let written = Arc::new(AtomicUsize::new(0));
+    let per_writer = tier.messages / tier.writers;
+    let pace = tier.writing.div_f64(per_writer as f64);
+    let mut writers = Vec::new();
+    for w in 0..tier.writers {
+        let mut conn = schema.connect().await;
+        let outbox = outbox.clone();
+        let log = log.clone();
+        let written = written.clone();
+        let schema_name = schema.name.clone();
+        let aggregates = tier.aggregates;
+        writers.push(tokio::spawn(async move {
+            let mut committed = 0;
+            let mut attempt = 0u64;
+            let mut ticker = tokio::time::interval(pace);
+            while committed < per_writer {
+                ticker.tick().await;
+                attempt += 1;
+                let key = format!("w{w}-{attempt}");
+                let aggregate = format!("agg{}", fastrand::usize(1..=aggregates));
+                let roll = fastrand::u8(0..10);
+                let ok = write(&mut conn, &outbox, &schema_name, &key, &aggregate, roll).await;
+                if ok {
+                    committed += 1;
+                    written.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    log.rolled_back.lock().unwrap().insert(key);
+                }
+            }
+        }));
+    }
+
+    // Faults, round-robin over the kinds, until the writers are done.
+    let kinds = [
+        "relay SIGKILL",
+        "relay SIGSTOP beyond lease",
+        "relay backends terminated",
+        "broker connections cut",
+        "broker restart",
+    ];
+    let mut round = 0usize;
+    let mut admin = common::connect().await;
+    while writers.iter().any(|w| !w.is_finished()) {
+        tokio::time::sleep(tier.fault_every).await;
+        let kind = kinds[round % kinds.len()];
+        round += 1;
+        match kind {
+            "relay SIGKILL" => {
+                let slot = fastrand::usize(0..RELAYS);
+                relays.kill(slot);
+                relays.spawn(slot);
+                log.fault(kind);
+            }
+            "relay SIGSTOP beyond lease" => {
+                pause_beyond_lease(&mut relays, &mut admin, &table).await;
+                log.fault(kind);
+            }
+            "relay backends terminated" => {
+                #[derive(QueryableByName)]
+                struct Killed {
+                    #[diesel(sql_type = BigInt)]
+                    n: i64,
+                }
+                let killed: Killed = diesel::sql_query(
+                    "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity \
+                     WHERE application_name = $1",
+                )
+                .bind::<Text, _>(&app_name)
+                .get_result(&mut admin)
+                .await
+                .unwrap();
+                if killed.n > 0 {
+                    log.fault(kind);
+                }
+            }
+            "broker connections cut" => {
+                if proxy.cut() > 0 {
+                    log.fault(kind);
+                }
+            }
+            "broker restart" => {
+                if log.faults.lock().unwrap().contains_key(kind) {
+                    continue; // once per run
+                }
+                rabbitmqctl(&["stop_app"]);
+                rabbitmqctl(&["start_app"]);
+                log.fault(kind);
+            }
+            _ => unreachable!(),
+        }
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    let written = AtomicUsize::load(&written, Ordering::SeqCst);
+
+    // Faults stop; everything must drain.
+    let faults_stopped = Instant::now();
+    for slot in 0..RELAYS {
+        relays.signal(slot, "-CONT");
+        let dead = relays.slots[slot]
+            .as_mut()
+            .is_none_or(|c| c.try_wait().ok().flatten().is_some());
+        if dead {
+            relays.spawn(slot);
+        }
+    }
+    let drain_deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let stats = outbox.stats(&mut conn).await.unwrap();
+        let delivered: HashSet<String> = log
+            .deliveries
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|d| d.key.clone())
+            .collect();
+        if stats.pending == 0 && stats.in_flight == 0 && delivered.len() >= written {
+            break;
+        }
+        assert!(
+            Instant::now() < drain_deadline,
+            "not drained: {stats:?}, {} of {written} delivered",
+            delivered.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let drained_in = faults_stopped.elapsed();
+    relays.stop_all();
+    // Late duplicates from a stale relay would arrive now; give the consumer a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    consuming.store(false, Ordering::SeqCst);
+    consumer.await.unwrap();
+
+    // The checker: ground truth from the database and the delivery log.
+    #[derive(QueryableByName)]
+    struct Order {
+        #[diesel(sql_type = Text)]
+        key: String,
+        #[diesel(sql_type = Text)]
+        aggregate: String,
+        #[diesel(sql_type = BigInt)]
+        seq: i64,
+    }
+    let orders: Vec<Order> = diesel::sql_query(format!(
+        "SELECT key, aggregate, seq FROM {}.orders",
+        schema.name
+    ))
+    .load(&mut conn)
+    .await
+    .unwrap();
+    let committed: HashMap<&str, &Order> = orders.iter().map(|o| (o.key.as_str(), o)).collect();
+    assert_eq!(
+        committed.len(),
+        written,
+        "the writers' count matches the business rows"
+    );
+    let deliveries = log.deliveries.lock().unwrap().clone();
+    let rolled_back = log.rolled_back.lock().unwrap().clone();
+
+    let mut first: HashMap<&str, &Delivery> = HashMap::new();
+    let mut order_violations = 0;
+    let mut next_seq: HashMap<&str, i64> = HashMap::new();
+    for d in &deliveries {
+        if first.contains_key(d.key.as_str()) {
+            continue;
+        }
+        first.insert(&d.key, d);
+        let expected = next_seq.entry(&d.aggregate).or_insert(1);
+        if d.seq != *expected {
+            order_violations += 1;
+        }
+        *expected = d.seq + 1;
+    }
+    let lost: Vec<&&str> = committed
+        .keys()
+        .filter(|k| !first.contains_key(**k))
+        .collect();
+    let phantoms: Vec<&str> = first
+        .keys()
+        .filter(|k| !committed.contains_key(**k))
+        .copied()
+        .collect();
+    let rolled_back_delivered = first.keys().filter(|k| rolled_back.contains(**k)).count();
+    let duplicates = deliveries.len() - first.len();
+    let redelivered = deliveries.iter().filter(|d| d.redelivered).count();
+    let retried = deliveries.iter().filter(|d| d.attempt > 1).count();
+    for d in first.values() {
+        let order = committed.get(d.key.as_str());
+        assert!(
+            order.is_none_or(|o| o.aggregate == d.aggregate && o.seq == d.seq),
+            "delivery {d:?} does not match its business row"
+        );
+    }
+
+    #[derive(QueryableByName)]
+    struct Effects {
+        #[diesel(sql_type = BigInt)]
+        keys: i64,
+        #[diesel(sql_type = BigInt)]
+        total: i64,
+    }
+    let effects: Effects = diesel::sql_query(format!(
+        "SELECT count(DISTINCT key) AS keys, count(*) AS total FROM {}.effects",
+        schema.name
+    ))
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    #[derive(QueryableByName)]
+    struct Rows {
+        #[diesel(sql_type = BigInt)]
+        sent: i64,
+        #[diesel(sql_type = BigInt)]
+        other: i64,
+        #[diesel(sql_type = BigInt)]
+        leased: i64,
+        #[diesel(sql_type = Integer)]
+        max_attempts: i32,
+    }
+    let rows: Rows = diesel::sql_query(format!(
+        "SELECT count(*) FILTER (WHERE status = 'sent') AS sent, \
+         count(*) FILTER (WHERE status <> 'sent') AS other, \
+         count(*) FILTER (WHERE lease_until > now()) AS leased, \
+         coalesce(max(attempts), 0) AS max_attempts FROM {table}"
+    ))
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+
+    let faults = log.faults.lock().unwrap().clone();
+    let fault_events: usize = faults.values().sum();
+    let fenced = relays.fenced();
+    // Each fault can cost at most what the relays hold in flight.
+    let duplicate_bound = fault_events.max(1) * RELAYS * PIPELINE * BATCH;
+    println!(
+        "fault suite: {written} committed messages ({} rolled back attempts), {} deliveries, \
+         {duplicates} duplicate deliveries (bound {duplicate_bound}), {redelivered} flagged \
+         redelivered, {retried} with attempt > 1, {fenced} fenced outcomes, faults {faults:?}, \
+         {} relay processes started, drained {:.1} s after the faults stopped, total {:.0} s; \
+         lost {}, phantom {}, order violations {order_violations}, effects {} for {} keys, \
+         max attempts {}",
+        rolled_back.len(),
+        deliveries.len(),
+        relays.started,
+        drained_in.as_secs_f64(),
+        started.elapsed().as_secs_f64(),
+        lost.len(),
+        phantoms.len(),
+        effects.total,
+        effects.keys,
+        rows.max_attempts,
+    );
+    assert!(lost.is_empty(), "lost: {:?}", &lost[..lost.len().min(10)]);
+    assert!(phantoms.is_empty(), "phantoms: {phantoms:?}");
+    assert_eq!(rolled_back_delivered, 0, "a rolled-back key was delivered");
+    assert_eq!(
+        order_violations, 0,
+        "per-aggregate order among first deliveries"
+    );
+    assert_eq!(effects.total, written as i64, "one effect per message");
+    assert_eq!(effects.keys, written as i64);
+    assert!(
+        duplicates <= duplicate_bound,
+        "{duplicates} duplicates over the bound"
+    );
+    assert_eq!(rows.sent, written as i64, "every row sent");
+    assert_eq!(rows.other, 0, "no pending or dead rows left");
+    assert_eq!(rows.leased, 0, "no row left leased");
+    for kind in kinds {
+        assert!(
+            faults.get(kind).copied().unwrap_or(0) > 0,
+            "fault never fired: {kind}"
+        );
+    }
+    assert!(fenced > 0, "pauses ran but no stale relay was fenced");
+
+    // Clean up the broker side.
+    let amqp = common::broker::connect().await;
+    let channel = amqp.create_channel().await.unwrap();
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let _ = channel
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await;
+    let _ = std::fs::remove_dir_all(logs);
+}
+
+/// Pauses every relay while some rows are leased, lets a fresh relay take those rows over
+/// once the lease ran out, then resumes the paused ones: whoever held the rows now comes
+/// back with stale claims, and fencing must discard its outcomes.
+async fn pause_beyond_lease(relays: &mut Relays, admin: &mut AsyncPgConnection, table: &str) {
+    #[derive(QueryableByName, PartialEq, Eq, Hash)]
+    struct Claim {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = BigInt)]
+        fencing_token: i64,
+    }
+    let leased_sql = format!("SELECT id, fencing_token FROM {table} WHERE lease_until > now()");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut held: Vec<Claim> = Vec::new();
+    while held.is_empty() && Instant::now() < deadline {
+        for slot in 0..RELAYS {
+            relays.signal(slot, "-STOP");
+        }
+        held = diesel::sql_query(&leased_sql).load(admin).await.unwrap();
+        if held.is_empty() {
+            for slot in 0..RELAYS {
+                relays.signal(slot, "-CONT");
+            }
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+    }
+    if held.is_empty() {
+        // Nothing in flight this time: an ordinary pause.
+        for slot in 0..RELAYS {
+            relays.signal(slot, "-STOP");
+        }
+    }
+    tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
+    relays.spawn(RELAYS);
+    let ids: Vec<i64> = held.iter().map(|c| c.id).collect();
+    let taken_over = format!(
+        "SELECT id, fencing_token FROM {table} WHERE id = ANY($1) AND status = 'pending' \
+         AND (lease_until IS NULL OR lease_until <= now())"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let waiting: Vec<Claim> = diesel::sql_query(&taken_over)
+            .bind::<diesel::sql_types::Array<BigInt>, _>(&ids)
+            .load(admin)
+            .await
+            .unwrap();
+        // Rows still pending with an expired lease and their old token: not yet taken over.
+        let old: HashSet<&Claim> = held.iter().collect();
+        if !waiting.iter().any(|c| old.contains(c)) || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for slot in 0..RELAYS {
+        relays.signal(slot, "-CONT");
+    }
+    relays.signal(RELAYS, "-TERM");
+    if let Some(mut spare) = relays.slots[RELAYS].take() {
+        let _ = spare.wait();
+    }
+}
+
+/// One writer transaction; returns whether it committed. `roll` 0 rolls back the whole
+/// transaction, 1 rolls back to a savepoint (the message and its business row), others
+/// commit.
+async fn write(
+    conn: &mut AsyncPgConnection,
+    outbox: &Outbox,
+    schema: &str,
+    key: &str,
+    aggregate: &str,
+    roll: u8,
+) -> bool {
+    let result = conn
+        .transaction(async |c| {
+            let unit = async |c: &mut AsyncPgConnection| {
+                #[derive(QueryableByName)]
+                struct Seq {
+                    #[diesel(sql_type = BigInt)]
+                    next_seq: i64,
+                }
+                // The row lock serialises the writers of one aggregate until commit.
+                let seq: Seq = diesel::sql_query(format!(
+                    "UPDATE {schema}.aggregates SET next_seq = next_seq + 1 WHERE name = $1 \
+                     RETURNING next_seq"
+                ))
+                .bind::<Text, _>(aggregate)
+                .get_result(c)
+                .await?;
+                diesel::sql_query(format!(
+                    "INSERT INTO {schema}.orders (key, aggregate, seq) VALUES ($1, $2, $3)"
+                ))
+                .bind::<Text, _>(key)
+                .bind::<Text, _>(aggregate)
+                .bind::<BigInt, _>(seq.next_seq)
+                .execute(c)
+                .await?;
+                let payload = serde_json::json!({ "aggregate": aggregate, "seq": seq.next_seq });
+                outbox
+                    .enqueue(
+                        c,
+                        Message::json("fault.order", &payload)?
+                            .key(key)
+                            .aggregate_key(aggregate),
+                    )
+                    .await?;
+                Ok::<_, Error>(())
+            };
+            if roll == 1 {
+                // The unit inside a savepoint that is rolled back; the outer commit is empty.
+                let inner = c
+                    .transaction(async |s| {
+                        unit(s).await?;
+                        Err::<(), _>(Error::InvalidMessage("roll back to savepoint".into()))
+                    })
+                    .await;
+                assert!(inner.is_err());
+                return Err(Error::InvalidMessage("savepoint rolled back".into()));
+            }
+            unit(c).await?;
+            if roll == 0 {
+                return Err(Error::InvalidMessage("business rule failed".into()));
+            }
+            Ok(())
+        })
+        .await;
+    result.is_ok()
+}
+
+/// The consumer: dedupe and the effect in one transaction, ack after commit. Reconnects
+/// after the broker restart. Runs until `running` turns false.
+async fn consume(
+    queue: String,
+    outbox: Outbox,
+    schema: String,
+    log: Arc<Log>,
+    running: Arc<AtomicBool>,
+) {
+    let mut conn = common::connect().await;
+    while AtomicBool::load(&running, Ordering::SeqCst) {
+        let Ok(amqp) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await
+        else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let Ok(channel) = amqp.create_channel().await else {
+            continue;
+        };
+        let _ = channel.basic_qos(200, BasicQosOptions::default()).await;
+        let Ok(mut consumer) = channel
+            .basic_consume(
+                queue.as_str().into(),
+                common::unique("consumer").as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        else {
+            continue;
+        };
+        while AtomicBool::load(&running, Ordering::SeqCst) {
+            let next = tokio::time::timeout(Duration::from_millis(200), consumer.next()).await;
+            let delivery = match next {
+                Err(_) => continue,
+                Ok(Some(Ok(delivery))) => delivery,
+                Ok(_) => break, // the connection died: reconnect
+            };
+            let key = delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|k| k.to_string())
+                .unwrap_or_default();
+            let body: serde_json::Value =
+                serde_json::from_slice(&delivery.data).unwrap_or_default();
+            let attempt = delivery
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get("x-outbox-attempt").cloned());
+            log.deliveries.lock().unwrap().push(Delivery {
+                key: key.clone(),
+                aggregate: body["aggregate"].as_str().unwrap_or_default().to_owned(),
+                seq: body["seq"].as_i64().unwrap_or_default(),
+                attempt: match attempt {
+                    Some(AMQPValue::LongLongInt(n)) => n,
+                    _ => 0,
+                },
+                redelivered: delivery.redelivered,
+            });
+            let effect = conn
+                .transaction(async |c| {
+                    if outbox.dedupe(c, "faults", &key).await? {
+                        diesel::sql_query(format!("INSERT INTO {schema}.effects VALUES ($1)"))
+                            .bind::<Text, _>(&key)
+                            .execute(c)
+                            .await?;
+                    }
+                    Ok::<_, Error>(())
+                })
+                .await;
+            let _ = match effect {
+                Ok(()) => delivery.ack(BasicAckOptions::default()).await,
+                Err(_) => {
+                    delivery
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await
+                }
+            };
+        }
+        let _ = amqp.close(200, "consumer done".into()).await;
+    }
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let status = Command::new("rabbitmqctl")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("rabbitmqctl");
+    assert!(status.success(), "rabbitmqctl {args:?} failed");
+}
+
+fn authority(url: &str) -> String {
+    let rest = url.split_once("://").unwrap().1;
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    rest.split('/').next().unwrap().to_owned()
+}
+
+fn with_application_name(url: &str, name: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={name}")
+}
