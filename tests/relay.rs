@@ -1081,7 +1081,7 @@ async fn concurrent_relays_with_failures_keep_every_aggregate_in_order() {
                     let inner = inner.clone();
                     let n = calls.fetch_add(1, Ordering::SeqCst);
                     async move {
-                        if record.attempt == 1 && n % 5 == 0 {
+                        if record.attempt == 1 && n.is_multiple_of(5) {
                             return Err(PublishError::transient("flaky broker"));
                         }
                         inner.publish(&record).await
