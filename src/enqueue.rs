@@ -171,11 +171,27 @@ impl Outbox {
         rows: Vec<EnqueuedRow>,
         keys: Vec<String>,
     ) -> Result<Vec<String>> {
-        let mut duplicates: Vec<String> = rows
-            .into_iter()
-            .filter(|r| !r.inserted)
-            .map(|r| r.key)
+        // A key is written only if the statement says so. One that is neither inserted nor
+        // reported as already present lost a race with a concurrent transaction that
+        // committed the same key meanwhile (ON CONFLICT waited for it, then skipped).
+        let inserted: HashSet<&str> = rows
+            .iter()
+            .filter(|r| r.inserted)
+            .map(|r| r.key.as_str())
             .collect();
+        let present: Vec<String> = rows
+            .iter()
+            .filter(|r| !r.inserted)
+            .map(|r| r.key.clone())
+            .collect();
+        let mut duplicates = if present.is_empty() {
+            keys.iter()
+                .filter(|k| !inserted.contains(k.as_str()))
+                .cloned()
+                .collect()
+        } else {
+            present
+        };
         if !duplicates.is_empty() {
             duplicates.sort();
             duplicates.dedup();

@@ -52,8 +52,10 @@
 //! [`Outbox::relay`] builds a [`Relay`] on a bb8 pool ([`PgPool`]) and a [`Publisher`]
 //! (the RabbitMQ one, or your own through [`publisher_fn`]). Each cycle:
 //! 1. **claims** up to `batch_size` due rows in one statement (`FOR UPDATE SKIP LOCKED`, so
-//!    relays pass over each other), stamping a lease and incrementing the attempt count and
-//!    the fencing token. Of an aggregate only the oldest pending row can be claimed;
+//!    relays pass over each other), stamping a lease and incrementing the fencing token. Of
+//!    an aggregate only its oldest pending row (its head) is claimed on its own; behind a
+//!    head on its first attempt the claim also takes the run of due successors (up to 64),
+//!    which only the relay holding the head can get;
 //! 2. **publishes** outside any transaction, holding no connection: one by one up to
 //!    `concurrency` at a time, or the whole batch at once for a pipelining publisher;
 //! 3. **records** every outcome of the batch in one statement fenced by token and status:

@@ -28,7 +28,8 @@ pub trait Metrics: Send + Sync + 'static {
         let _ = (topic, attempts);
     }
 
-    /// `n` claimed rows were given back unpublished (shutdown), their attempts restored.
+    /// `n` claimed rows were given back unpublished, their attempts untouched: at shutdown,
+    /// cut off by the drain timeout, or behind a failed message of their aggregate's run.
     fn released(&self, n: usize) {
         let _ = n;
     }

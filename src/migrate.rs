@@ -31,7 +31,8 @@ struct VersionRow {
 }
 
 impl Outbox {
-    /// Creates or upgrades the outbox table, its inbox table and their indexes.
+    /// Creates or upgrades the outbox table, its inbox table, the relays' wake-up table
+    /// `<table>_relays` and their indexes.
     ///
     /// Safe on every start and from many processes at once: it runs in one transaction
     /// under an advisory lock, applies only the versions missing from `<table>_migrations`,

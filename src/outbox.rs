@@ -132,9 +132,11 @@ impl OutboxBuilder {
     }
 
     /// Enqueue sends no NOTIFY: relays find new messages by polling only (their
-    /// `poll_interval`). Use it behind a pooler in transaction mode, or when the cluster-wide
-    /// lock a notifying commit takes costs more than the latency it saves. Defaults to
-    /// notifying.
+    /// `poll_interval`). Use it where the relays cannot LISTEN, or when you would rather have
+    /// polling latency than any NOTIFY at all. (Behind a pooler in transaction mode, note
+    /// that Diesel's cached prepared statements, which this crate uses, need a pooler that
+    /// supports them, such as PgBouncer 1.21 or later with `max_prepared_statements`.)
+    /// Defaults to notifying idle relays.
     pub fn without_notify(mut self) -> Self {
         self.notify = false;
         self

@@ -136,7 +136,9 @@ pub trait Publisher: Send + Sync + 'static {
     fn publish(&self, record: &Record) -> impl Future<Output = Result<(), PublishError>> + Send;
 
     /// Publishes a whole claimed batch at once, for brokers that pipeline (send everything,
-    /// then await every confirm). Yields one result per record as confirms arrive.
+    /// then await every confirm). Yields one result per record, in any order; results may
+    /// arrive together once every confirm is in (the RabbitMQ publisher does that, so its
+    /// returns can be matched), so keep its confirm timeout below the relay's drain timeout.
     ///
     /// The default returns `None`: the relay then calls [`Publisher::publish`] per record,
     /// up to its `concurrency` at a time, and on shutdown does not start the records it has

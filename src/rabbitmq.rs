@@ -12,7 +12,12 @@
 //!
 //! The publisher reconnects by itself: after the channel or the connection dies, the next
 //! batch opens new ones (with backoff between failed attempts). URLs and passwords never
-//! appear in its `Debug` output, its errors or its logs.
+//! appear in its `Debug` output, its errors or its logs. Each batch publishes on a channel
+//! of its own, so a returned message is always matched to its own batch.
+//!
+//! Hazard: lapin itself logs a returned message, payload included, at `warn` level under
+//! the `lapin` target. Filter it out (`lapin=error`, as the `diesel-outbox` binary does)
+//! wherever payloads must not reach the logs.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -70,11 +75,17 @@ impl fmt::Debug for RabbitMqPublisher {
     }
 }
 
-/// The current connection and channel, and when a failed reconnect may be tried again.
+/// The current connection, its idle confirm channels, and when a failed reconnect may be
+/// tried again.
+///
+/// Each batch publishes on a channel of its own: the broker's returns (unroutable messages)
+/// arrive on the channel they were published on, and lapin hands them out with whichever
+/// confirm of that channel resolves next, so a channel shared by two batches could give one
+/// batch's return to the other and let an unroutable message count as sent.
 #[derive(Default)]
 struct Link {
     connection: Option<Connection>,
-    channel: Option<Channel>,
+    idle: Vec<Channel>,
     backoff: Option<Duration>,
     retry_at: Option<Instant>,
 }
@@ -118,15 +129,15 @@ impl RabbitMqPublisher {
         self.exchange.as_str()
     }
 
-    /// A channel in confirm mode, opening a new connection or channel when the old one died.
+    /// A confirm channel for one batch's exclusive use, opening a new connection or channel
+    /// when needed. Give it back with [`RabbitMqPublisher::give_back`].
     async fn channel(&self) -> std::result::Result<Channel, String> {
         let mut link = self.link.lock().await;
-        if let Some(channel) = &link.channel
-            && channel.status().connected()
-        {
-            return Ok(channel.clone());
+        while let Some(channel) = link.idle.pop() {
+            if channel.status().connected() {
+                return Ok(channel);
+            }
         }
-        link.channel = None;
         let connected = link
             .connection
             .as_ref()
@@ -177,8 +188,14 @@ impl RabbitMqPublisher {
         })?;
         link.backoff = None;
         link.retry_at = None;
-        link.channel = Some(channel.clone());
         Ok(channel)
+    }
+
+    /// Returns a channel after a batch whose confirms all arrived.
+    async fn give_back(&self, channel: Channel) {
+        if channel.status().connected() {
+            self.link.lock().await.idle.push(channel);
+        }
     }
 
     /// Publishes every record, then awaits every confirm (up to the confirm timeout).
@@ -228,6 +245,7 @@ impl RabbitMqPublisher {
         }
 
         let mut returned_keys = Vec::new();
+        let mut complete = true;
         let deadline = tokio::time::sleep(self.confirm_timeout);
         tokio::pin!(deadline);
         while !confirms.is_empty() {
@@ -245,15 +263,18 @@ impl RabbitMqPublisher {
                             }
                             Ok(())
                         }
-                        Ok(Confirmation::Nack(_)) => Err(PublishError::transient("the broker nacked the message")),
+                        Ok(Confirmation::Nack(_)) => {
+                            Err(PublishError::transient("the broker nacked the message"))
+                        }
                         Ok(Confirmation::NotRequested) => Err(PublishError::transient("the channel is not in confirm mode")),
                         Err(e) => Err(PublishError::transient(format!("confirm failed: {e}"))),
                     });
                 }
                 () = &mut deadline => {
                     tracing::warn!(endpoint = %self.endpoint, unconfirmed = confirms.len(), timeout = ?self.confirm_timeout, "RabbitMQ confirm timeout");
-                    // The channel may be stuck: start over with a fresh one next time.
-                    self.link.lock().await.channel = None;
+                    // The channel may be stuck, and late returns would land on the next
+                    // batch: it is not reused.
+                    complete = false;
                     break;
                 }
             }
@@ -273,6 +294,9 @@ impl RabbitMqPublisher {
                     ))));
                 }
             }
+        }
+        if complete {
+            self.give_back(channel).await;
         }
         results
             .into_iter()

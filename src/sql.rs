@@ -27,6 +27,7 @@ pub(crate) struct Statements {
     pub(crate) purge_inbox: Statement,
 
     pub(crate) claim: Statement,
+    pub(crate) due: Statement,
     pub(crate) record_outcomes: Statement,
     pub(crate) listen: String,
     pub(crate) relay_state: Statement,
@@ -219,15 +220,18 @@ impl Statements {
                  (SELECT consumer, idempotency_key FROM doomed)"
             )),
 
-            // $1 batch size, $2 lease (µs), $3 max attempts. Claims heads (rows with no
-            // older pending row in their aggregate) and, behind each aggregate head, the run
-            // of its due successors: the relay publishes such a run one message at a time.
-            // Only the relay holding the head's lock gets its run, so no two relays ever
-            // hold rows of one aggregate. A row claimed again after it has used up its
-            // attempts without an outcome (a crash loop) goes dead here.
+            // $1 batch size, $2 lease (µs), $3 max attempts, $4 longest run. Claims heads
+            // (rows with no older pending row in their aggregate) and, behind each head on
+            // its first attempt, the run of its due successors: the relay publishes such a
+            // run one message at a time. Only the relay holding a head's lock gets its run,
+            // so no two relays ever hold rows of one aggregate. Heads are charged an attempt;
+            // run members are charged when they are published (their outcome says so), so a
+            // crash mid-run costs only the head, and the head's next claim comes without a
+            // run. A head claimed again after it has used up its attempts without an
+            // outcome (a crash loop) goes dead here.
             claim: Statement::new(format!(
                 "WITH heads AS MATERIALIZED (\n\
-                 \x20   SELECT id, aggregate_key FROM {t} o\n\
+                 \x20   SELECT id, aggregate_key, attempts FROM {t} o\n\
                  \x20   WHERE status = 'pending' AND available_at <= now()\n\
                  \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
                  \x20     AND (aggregate_key IS NULL OR NOT EXISTS (\n\
@@ -242,31 +246,41 @@ impl Statements {
                  AND (s.lease_until IS NULL OR s.lease_until <= now()) AS ready\n\
                  \x20           FROM {t} s WHERE s.status = 'pending'\n\
                  \x20           AND s.aggregate_key = h.aggregate_key AND s.id > h.id\n\
-                 \x20           ORDER BY s.id LIMIT $1\n\
+                 \x20           ORDER BY s.id LIMIT $4\n\
                  \x20       ) AS n\n\
                  \x20   ) AS r\n\
-                 \x20   WHERE h.aggregate_key IS NOT NULL AND r.unbroken\n\
+                 \x20   WHERE h.aggregate_key IS NOT NULL AND h.attempts = 0 AND r.unbroken\n\
                  ), due AS MATERIALIZED (\n\
-                 \x20   SELECT id FROM (SELECT id FROM heads UNION ALL SELECT id FROM runs) AS a\n\
-                 \x20   ORDER BY id LIMIT $1\n\
+                 \x20   SELECT id, head FROM (\n\
+                 \x20       SELECT id, true AS head FROM heads UNION ALL SELECT id, false FROM runs\n\
+                 \x20   ) AS a ORDER BY id LIMIT $1\n\
                  ), locked AS MATERIALIZED (\n\
-                 \x20   SELECT id FROM {t} WHERE id IN (SELECT id FROM due) AND status = 'pending'\n\
-                 \x20   FOR UPDATE\n\
+                 \x20   SELECT o.id, d.head FROM {t} o JOIN due d ON d.id = o.id\n\
+                 \x20   WHERE o.status = 'pending' ORDER BY o.id FOR UPDATE OF o\n\
                  )\n\
                  UPDATE {t} t SET\n\
-                 \x20   attempts = t.attempts + 1,\n\
+                 \x20   attempts = CASE WHEN locked.head THEN t.attempts + 1 ELSE t.attempts END,\n\
                  \x20   fencing_token = t.fencing_token + 1,\n\
-                 \x20   lease_until = CASE WHEN t.attempts >= $3 THEN NULL \
+                 \x20   lease_until = CASE WHEN locked.head AND t.attempts >= $3 THEN NULL \
                  ELSE now() + $2 * interval '1 microsecond' END,\n\
-                 \x20   status = CASE WHEN t.attempts >= $3 THEN 'dead' ELSE 'pending' END,\n\
-                 \x20   dead_at = CASE WHEN t.attempts >= $3 THEN now() END,\n\
-                 \x20   last_error = CASE WHEN t.attempts >= $3 \
+                 \x20   status = CASE WHEN locked.head AND t.attempts >= $3 THEN 'dead' ELSE 'pending' END,\n\
+                 \x20   dead_at = CASE WHEN locked.head AND t.attempts >= $3 THEN now() END,\n\
+                 \x20   last_error = CASE WHEN locked.head AND t.attempts >= $3 \
                  THEN 'claimed ' || (t.attempts + 1) || ' times without an outcome \
                  (relay crashed or lease expired); max_attempts is ' || $3 \
                  ELSE t.last_error END\n\
                  FROM locked WHERE t.id = locked.id\n\
                  RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, \
-                 t.content_type, t.headers, t.attempts, t.fencing_token, t.created_at, t.status"
+                 t.content_type, t.headers, t.attempts, t.fencing_token, t.created_at, t.status, \
+                 locked.head"
+            )),
+            // A cheap look for work, used while lingering between claims.
+            due: Statement::new(format!(
+                "SELECT EXISTS (SELECT 1 FROM {t} o WHERE status = 'pending' \
+                 AND available_at <= now() AND (lease_until IS NULL OR lease_until <= now()) \
+                 AND (aggregate_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} p \
+                 WHERE p.status = 'pending' AND p.aggregate_key = o.aggregate_key AND p.id < o.id))) \
+                 AS due"
             )),
             // One statement for every outcome of a batch, fenced by token and status: a
             // relay whose lease was taken over updates nothing.
@@ -279,12 +293,12 @@ impl Statements {
                  \x20   available_at = CASE WHEN o.kind = '{OUTCOME_RETRY}' \
                  THEN now() + o.delay_us * interval '1 microsecond' ELSE t.available_at END,\n\
                  \x20   attempts = CASE WHEN o.kind = '{OUTCOME_RELEASE}' \
-                 THEN greatest(t.attempts - 1, 0) ELSE t.attempts END,\n\
+                 THEN greatest(o.attempt - 1, 0) ELSE o.attempt END,\n\
                  \x20   last_error = CASE WHEN o.kind IN ('{OUTCOME_RETRY}', '{OUTCOME_DEAD}') \
                  THEN o.err ELSE t.last_error END,\n\
                  \x20   lease_until = NULL\n\
-                 FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::bigint[], $5::text[]) \
-                 AS o(id, token, kind, delay_us, err)\n\
+                 FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::bigint[], $5::text[], \
+                 $6::integer[]) AS o(id, token, kind, delay_us, err, attempt)\n\
                  WHERE t.id = o.id AND t.fencing_token = o.token AND t.status = 'pending'\n\
                  RETURNING t.id"
             )),

@@ -29,7 +29,8 @@ impl Statement {
         let mut current = String::new();
         let mut chars = text.chars().peekable();
         while let Some(c) = chars.next() {
-            if c == '$' && chars.peek().is_some_and(char::is_ascii_digit) {
+            if c == '$' && chars.peek().is_some_and(|d| ('1'..='9').contains(d)) {
+                // The crate's statements hold no `$` inside string literals.
                 let mut n = 0usize;
                 while let Some(d) = chars.peek().and_then(|c| c.to_digit(10)) {
                     n = n * 10 + d as usize;

@@ -540,3 +540,57 @@ mod sync_flavour {
         assert_eq!(keys, vec![key]);
     }
 }
+
+#[tokio::test]
+async fn a_key_committed_by_a_racing_transaction_is_reported_as_duplicate() {
+    let schema = TestSchema::new().await;
+    let (mut first, outbox) = migrated(&schema).await;
+    let mut second = schema.connect().await;
+
+    first.batch_execute("BEGIN").await.unwrap();
+    outbox
+        .enqueue(&mut first, Message::new("t", "first").key("race"))
+        .await
+        .unwrap();
+    // The second insert waits for the first transaction's row lock on the key.
+    let racer = tokio::spawn(async move {
+        let result = Outbox::new()
+            .enqueue(&mut second, Message::new("t", "second").key("race"))
+            .await;
+        (result, second)
+    });
+    let mut watcher = common::connect().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        #[derive(QueryableByName)]
+        struct Waiting {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let w: Waiting = diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query LIKE 'WITH m AS%'",
+        )
+        .get_result(&mut watcher)
+        .await
+        .unwrap();
+        if w.n > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the racer never waited on the key"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    first.batch_execute("COMMIT").await.unwrap();
+    let (result, _second) = racer.await.unwrap();
+    let err = result.unwrap_err();
+    assert!(err.is_duplicate_key(), "{err:?}");
+    let payloads: Vec<Vec<u8>> = rows(&mut first, "outbox")
+        .await
+        .into_iter()
+        .map(|r| r.payload)
+        .collect();
+    assert_eq!(payloads, vec![b"first".to_vec()]);
+}

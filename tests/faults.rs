@@ -303,7 +303,10 @@ async fn run(tier: Tier) {
                 with_application_name(&common::database_url(), &app_name),
             ),
             ("AMQP_URL".into(), amqp_url_via(proxy.addr)),
-            ("RUST_LOG".into(), "warn,diesel_outbox=info".into()),
+            (
+                "RUST_LOG".into(),
+                "warn,lapin=error,diesel_outbox=info".into(),
+            ),
         ],
         logs: logs.clone(),
         // One spare slot for the relay that takes over from paused ones.

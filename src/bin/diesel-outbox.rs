@@ -409,7 +409,9 @@ async fn purge(
 async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(), Failure> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            // lapin logs returned (unroutable) messages with their payload at warn.
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,lapin=error".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

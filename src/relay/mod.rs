@@ -76,8 +76,8 @@ impl<P: Publisher> RelayBuilder<P> {
 
     /// Records of one batch published at once when the publisher publishes one by one
     /// (1 to 1,024); a pipelining publisher gets the whole batch instead. Up to three
-    /// batches are in flight at once (one claiming, others publishing or recording), so a
-    /// relay may run up to three times this many publishes. Defaults to 4.
+    /// batches publish (or record) at once while the relay claims the next, so a relay may
+    /// run up to three times this many publishes. Defaults to 4.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.options.concurrency = n;
         self
@@ -214,10 +214,12 @@ struct Inner<P> {
 
 /// Claimed batches publishing at once.
 const PIPELINE: usize = 3;
+/// While batches are in flight, the relay looks for new work this often.
+const BUSY_POLL: Duration = Duration::from_millis(10);
 /// After work, the relay keeps looking for this long before it calls itself idle.
 const LINGER: Duration = Duration::from_millis(50);
 /// How often it looks while lingering.
-const LINGER_POLL: Duration = Duration::from_millis(2);
+const LINGER_POLL: Duration = Duration::from_millis(1);
 /// An idle relay renews its record this often...
 const IDLE_REFRESH: Duration = Duration::from_secs(10);
 /// ...and the record lapses after this long, so a crashed relay stops drawing NOTIFYs.
@@ -256,7 +258,7 @@ impl<P: Publisher> Relay<P> {
         let inner = &self.inner;
         let table = inner.outbox.table().to_owned();
         tracing::info!(table = %table, options = ?inner.options, "relay started");
-        let _listener = inner.options.listen.then(|| {
+        let listener = inner.options.listen.then(|| {
             AbortOnDrop(tokio::spawn(listener::run(
                 inner.pool.clone(),
                 inner.outbox.statements().listen.clone(),
@@ -287,6 +289,8 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         };
+        drop(listener);
+        inner.wake.listening.store(false, Ordering::SeqCst);
         tracing::info!(table = %table, "relay stopped");
         result
     }
@@ -332,10 +336,19 @@ impl<P: Publisher> Relay<P> {
                     }
                 }
             }
-            if let Some(done) = in_flight.join_next().await {
-                self.finished(done);
+            if !in_flight.is_empty() {
+                // Batches are under way: wait for one to finish, but look for new work
+                // now and then, so a slow batch does not hold up fresh messages.
+                tokio::select! {
+                    done = in_flight.join_next() => {
+                        if let Some(done) = done {
+                            self.finished(done);
+                        }
+                    }
+                    () = tokio::time::sleep(BUSY_POLL), if in_flight.len() < PIPELINE => {}
+                    () = until_stopped(&mut stopped) => break Ok(()),
+                }
                 linger_until = Instant::now() + LINGER;
-                // Claim again at once: there may be more, or a sent row's successors.
                 claim_more = true;
                 continue;
             }
@@ -346,7 +359,7 @@ impl<P: Publisher> Relay<P> {
             if Instant::now() < linger_until {
                 tokio::select! {
                     () = inner.wake.notify.notified() => {}
-                    () = tokio::time::sleep(LINGER_POLL) => {}
+                    () = self.wait_due() => {}
                     () = until_stopped(&mut stopped) => break Ok(()),
                 }
                 continue;
@@ -377,7 +390,8 @@ impl<P: Publisher> Relay<P> {
                             break;
                         }
                         if registered {
-                            self.mark_idle(true).await;
+                            // Writers should not pay for NOTIFYs nobody hears.
+                            self.mark_idle(self.listening()).await;
                         }
                     }
                     () = until_stopped(&mut stopped) => break 'run Ok(()),
@@ -393,6 +407,24 @@ impl<P: Publisher> Relay<P> {
         }
         self.forget().await;
         result
+    }
+
+    /// While lingering: returns once a cheap probe sees a due row, or the linger time is over.
+    async fn wait_due(&self) {
+        let inner = &self.inner;
+        let until = Instant::now() + LINGER;
+        while Instant::now() < until {
+            tokio::time::sleep(LINGER_POLL).await;
+            let due = async {
+                let mut conn = inner.pool.get().await?;
+                inner.outbox.anything_due(&mut conn).await
+            }
+            .await;
+            // On an error, let the claim report it.
+            if due.unwrap_or(true) {
+                return;
+            }
+        }
     }
 
     /// Publishes a claimed batch and records its outcomes on a task of its own.

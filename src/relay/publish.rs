@@ -78,15 +78,19 @@ impl<P: Publisher> Relay<P> {
         let mut blocked: HashSet<String> = HashSet::new();
         let mut released = 0;
         for wave in waves(ready) {
+            // Later waves wait for earlier ones; once half the lease is gone, the rest is
+            // released rather than risk publishing it after another relay took it over.
+            let late = started.elapsed() > inner.options.lease / 2;
             let (go, held): (Vec<Claimed>, Vec<Claimed>) = wave.into_iter().partition(|c| {
                 !drain.stopping()
+                    && !late
                     && c.record
                         .aggregate_key
                         .as_ref()
                         .is_none_or(|a| !blocked.contains(a))
             });
             released += held.len();
-            outcomes.extend(held.iter().map(|c| Outcome::release(c.record.id, c.token)));
+            outcomes.extend(held.iter().map(|c| Outcome::release(&c.record, c.token)));
             if go.is_empty() {
                 continue;
             }
@@ -97,12 +101,12 @@ impl<P: Publisher> Relay<P> {
                 let outcome = match result {
                     None => {
                         released += 1;
-                        Outcome::release(record.id, token)
+                        Outcome::release(record, token)
                     }
                     Some((Ok(()), took)) => {
                         tracing::trace!(key = %record.key, topic = %record.topic, attempt = record.attempt, ?took, "published");
                         inner.metrics.published(&record.topic, record.attempt, took);
-                        outcomes.push(Outcome::sent(record.id, token));
+                        outcomes.push(Outcome::sent(record, token));
                         continue;
                     }
                     Some((Err(err), _)) => self.failure(record, token, &err),
@@ -182,14 +186,14 @@ impl<P: Publisher> Relay<P> {
                 attempts = record.attempt, error = %err, "dead letter"
             );
             inner.metrics.dead_lettered(&record.topic, record.attempt);
-            Outcome::dead(record.id, token, err)
+            Outcome::dead(record, token, err)
         } else {
             let delay = inner.options.backoff(record.attempt);
             tracing::warn!(
                 table = %inner.outbox.table(), key = %record.key, topic = %record.topic,
                 attempt = record.attempt, retry_in = ?delay, error = %err, "publish failed; will retry"
             );
-            Outcome::retry(record.id, token, delay, err)
+            Outcome::retry(record, token, delay, err)
         }
     }
 }

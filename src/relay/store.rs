@@ -16,6 +16,9 @@ use crate::publisher::Record;
 use crate::sql::{OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT};
 use crate::statement::Prepared;
 
+/// The longest run of one aggregate's messages a claim takes behind its head.
+pub(crate) const MAX_RUN: usize = 64;
+
 /// `last_error` is cut to at most this many bytes.
 pub(crate) const MAX_ERROR_BYTES: usize = 2_000;
 
@@ -43,6 +46,8 @@ struct ClaimRow {
     created_at: DateTime<Utc>,
     #[diesel(sql_type = Text)]
     status: String,
+    #[diesel(sql_type = Bool)]
+    head: bool,
 }
 
 #[derive(QueryableByName)]
@@ -81,28 +86,31 @@ impl Batch {
 pub(crate) struct Outcome {
     pub(crate) id: i64,
     pub(crate) token: i64,
+    /// The attempt this outcome closes (the row's `attempts` afterwards, less one for a
+    /// release, which gives the attempt back).
+    pub(crate) attempt: u32,
     pub(crate) kind: &'static str,
     pub(crate) delay: Duration,
     pub(crate) error: Option<String>,
 }
 
 impl Outcome {
-    pub(crate) fn sent(id: i64, token: i64) -> Self {
-        Self::new(id, token, OUTCOME_SENT, Duration::ZERO, None)
+    pub(crate) fn sent(r: &Record, token: i64) -> Self {
+        Self::new(r, token, OUTCOME_SENT, Duration::ZERO, None)
     }
 
     pub(crate) fn retry(
-        id: i64,
+        r: &Record,
         token: i64,
         delay: Duration,
         error: &dyn std::fmt::Display,
     ) -> Self {
-        Self::new(id, token, OUTCOME_RETRY, delay, Some(error_text(error)))
+        Self::new(r, token, OUTCOME_RETRY, delay, Some(error_text(error)))
     }
 
-    pub(crate) fn dead(id: i64, token: i64, error: &dyn std::fmt::Display) -> Self {
+    pub(crate) fn dead(r: &Record, token: i64, error: &dyn std::fmt::Display) -> Self {
         Self::new(
-            id,
+            r,
             token,
             OUTCOME_DEAD,
             Duration::ZERO,
@@ -110,20 +118,21 @@ impl Outcome {
         )
     }
 
-    pub(crate) fn release(id: i64, token: i64) -> Self {
-        Self::new(id, token, OUTCOME_RELEASE, Duration::ZERO, None)
+    pub(crate) fn release(r: &Record, token: i64) -> Self {
+        Self::new(r, token, OUTCOME_RELEASE, Duration::ZERO, None)
     }
 
     fn new(
-        id: i64,
+        r: &Record,
         token: i64,
         kind: &'static str,
         delay: Duration,
         error: Option<String>,
     ) -> Self {
         Outcome {
-            id,
+            id: r.id,
             token,
+            attempt: r.attempt,
             kind,
             delay,
             error,
@@ -153,7 +162,8 @@ impl Outbox {
             .query()
             .bind::<BigInt, _>(i64::try_from(batch_size).unwrap_or(i64::MAX))
             .bind::<BigInt, _>(micros(lease))
-            .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX));
+            .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+            .bind::<BigInt, _>(i64::try_from(batch_size.min(MAX_RUN)).unwrap_or(1));
         let rows: Vec<ClaimRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
         let mut batch = Batch::default();
         for row in rows {
@@ -168,13 +178,14 @@ impl Outbox {
                 payload: row.payload,
                 content_type: row.content_type,
                 headers: headers.clone().unwrap_or_default(),
-                attempt: u32::try_from(row.attempts).unwrap_or(0),
+                // A head was charged by the claim; a run member is charged when published.
+                attempt: u32::try_from(row.attempts).unwrap_or(0) + u32::from(!row.head),
                 created_at: row.created_at,
             };
             if status_dead {
                 batch.crash_looped.push(record);
             } else if let Err(why) = headers {
-                let outcome = Outcome::dead(record.id, token, &why);
+                let outcome = Outcome::dead(&record, token, &why);
                 batch.undecodable.push((record, outcome));
             } else {
                 batch.ready.push(Claimed { record, token });
@@ -193,11 +204,18 @@ impl Outbox {
         if outcomes.is_empty() {
             return Ok(Recorded::default());
         }
+        // In id order, as claims lock rows, so the two never wait on each other in a cycle.
+        let mut outcomes: Vec<&Outcome> = outcomes.iter().collect();
+        outcomes.sort_by_key(|o| o.id);
         let ids: Vec<i64> = outcomes.iter().map(|o| o.id).collect();
         let tokens: Vec<i64> = outcomes.iter().map(|o| o.token).collect();
         let kinds: Vec<&str> = outcomes.iter().map(|o| o.kind).collect();
         let delays: Vec<i64> = outcomes.iter().map(|o| micros(o.delay)).collect();
         let errors: Vec<Option<&str>> = outcomes.iter().map(|o| o.error.as_deref()).collect();
+        let attempts: Vec<i32> = outcomes
+            .iter()
+            .map(|o| i32::try_from(o.attempt).unwrap_or(i32::MAX))
+            .collect();
         let rows = self
             .statements()
             .record_outcomes
@@ -206,7 +224,8 @@ impl Outbox {
             .bind::<Array<BigInt>, _>(tokens)
             .bind::<Array<Text>, _>(kinds)
             .bind::<Array<BigInt>, _>(delays)
-            .bind::<Array<Nullable<Text>>, _>(errors);
+            .bind::<Array<Nullable<Text>>, _>(errors)
+            .bind::<Array<Integer>, _>(attempts);
         let rows: Vec<OutcomeRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
         Ok(Recorded {
             fenced: outcomes.len().saturating_sub(rows.len()),
@@ -233,6 +252,23 @@ impl Outbox {
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(())
+    }
+
+    /// Whether any pending row is due and unleased (it may still be blocked by its aggregate).
+    pub(crate) async fn anything_due(&self, conn: &mut AsyncPgConnection) -> Result<bool> {
+        #[derive(QueryableByName)]
+        struct Due {
+            #[diesel(sql_type = Bool)]
+            due: bool,
+        }
+        let row: Due = self
+            .statements()
+            .due
+            .query()
+            .get_result(conn)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        Ok(row.due)
     }
 
     /// Deletes a relay's idle record, and every expired one.
