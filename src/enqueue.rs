@@ -146,21 +146,39 @@ impl Outbox {
             delays.push(delay);
         }
         let sql = self.statements();
-        let text = if self.inner.notify {
-            &sql.enqueue_notify
+        let notify = self.inner.notify;
+        let mut query = if n == 1 {
+            let statement = if notify {
+                &sql.enqueue_one_notify
+            } else {
+                &sql.enqueue_one
+            };
+            statement
+                .query()
+                .bind::<Text, _>(keys[0].clone())
+                .bind::<Text, _>(topics.swap_remove(0))
+                .bind::<Nullable<Text>, _>(aggs.swap_remove(0))
+                .bind::<Bytea, _>(payloads.swap_remove(0))
+                .bind::<Nullable<Text>, _>(cts.swap_remove(0))
+                .bind::<Jsonb, _>(headers.swap_remove(0))
+                .bind::<BigInt, _>(delays[0])
         } else {
-            &sql.enqueue
+            let statement = if notify {
+                &sql.enqueue_notify
+            } else {
+                &sql.enqueue
+            };
+            statement
+                .query()
+                .bind::<Array<Text>, _>(keys.clone())
+                .bind::<Array<Text>, _>(topics)
+                .bind::<Array<Nullable<Text>>, _>(aggs)
+                .bind::<Array<Bytea>, _>(payloads)
+                .bind::<Array<Nullable<Text>>, _>(cts)
+                .bind::<Array<Jsonb>, _>(headers)
+                .bind::<Array<BigInt>, _>(delays)
         };
-        let mut query = text
-            .query()
-            .bind::<Array<Text>, _>(keys.clone())
-            .bind::<Array<Text>, _>(topics)
-            .bind::<Array<Nullable<Text>>, _>(aggs)
-            .bind::<Array<Bytea>, _>(payloads)
-            .bind::<Array<Nullable<Text>>, _>(cts)
-            .bind::<Array<Jsonb>, _>(headers)
-            .bind::<Array<BigInt>, _>(delays);
-        if self.inner.notify {
+        if notify {
             query = query.bind::<Text, _>(self.channel());
         }
         Ok(Some((query, keys)))

@@ -18,6 +18,8 @@ pub(crate) struct Statements {
 
     pub(crate) enqueue: Statement,
     pub(crate) enqueue_notify: Statement,
+    pub(crate) enqueue_one: Statement,
+    pub(crate) enqueue_one_notify: Statement,
     pub(crate) dedupe: Statement,
 
     pub(crate) stats: Statement,
@@ -152,6 +154,24 @@ impl Statements {
              SELECT r.key, r.inserted FROM ({enqueue_tail}) AS r \
              CROSS JOIN (SELECT count(*) FROM wake) AS w"
         );
+        // One message: a plain INSERT (a duplicate key returns no row). Cheaper to plan and
+        // run than the arrays above, and the common case.
+        let one_cte = format!(
+            "WITH ins AS (\n\
+             \x20   INSERT INTO {t} (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)\n\
+             \x20   VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 microsecond')\n\
+             \x20   ON CONFLICT (idempotency_key) DO NOTHING\n\
+             \x20   RETURNING idempotency_key AS k\n\
+             )"
+        );
+        let enqueue_one = format!("{one_cte}\nSELECT k AS key, true AS inserted FROM ins");
+        let enqueue_one_notify = format!(
+            "{one_cte}, wake AS (\n\
+             \x20   SELECT pg_notify($8, '') FROM ins\n\
+             \x20   WHERE EXISTS (SELECT 1 FROM {relays} WHERE idle AND expires_at > now())\n\
+             )\n\
+             SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake) AS w"
+        );
 
         Statements {
             create_schema: table
@@ -173,6 +193,8 @@ impl Statements {
 
             enqueue: Statement::new(enqueue),
             enqueue_notify: Statement::new(enqueue_notify),
+            enqueue_one: Statement::new(enqueue_one),
+            enqueue_one_notify: Statement::new(enqueue_one_notify),
             dedupe: Statement::new(format!(
                 "INSERT INTO {inbox} (consumer, idempotency_key) VALUES ($1, $2) \
                  ON CONFLICT DO NOTHING RETURNING true AS inserted"

@@ -569,7 +569,7 @@ async fn a_key_committed_by_a_racing_transaction_is_reported_as_duplicate() {
         }
         let w: Waiting = diesel::sql_query(
             "SELECT count(*) AS n FROM pg_stat_activity \
-             WHERE wait_event_type = 'Lock' AND query LIKE 'WITH m AS%'",
+             WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%'",
         )
         .get_result(&mut watcher)
         .await

@@ -73,9 +73,13 @@ impl Drop for TestSchema {
     fn drop(&mut self) {
         let mut schemas = self.extra.clone();
         schemas.push(self.name.clone());
-        let sql: String = schemas
-            .iter()
-            .map(|s| format!("DROP SCHEMA IF EXISTS \"{s}\" CASCADE;"))
+        // A test that failed mid-transaction may still hold locks: never wait long for them.
+        let sql: String = std::iter::once("SET lock_timeout = '5s';".to_owned())
+            .chain(
+                schemas
+                    .iter()
+                    .map(|s| format!("DROP SCHEMA IF EXISTS \"{s}\" CASCADE;")),
+            )
             .collect();
         // Runs on its own thread and runtime so it also works while a test unwinds.
         let _ = std::thread::spawn(move || {
