@@ -273,12 +273,15 @@ impl Statements {
                  \x20   ) AS r\n\
                  \x20   WHERE h.aggregate_key IS NOT NULL AND h.attempts = 0 AND r.unbroken\n\
                  ), due AS MATERIALIZED (\n\
-                 \x20   SELECT id, head FROM (\n\
-                 \x20       SELECT id, true AS head FROM heads UNION ALL SELECT id, false FROM runs\n\
-                 \x20   ) AS a ORDER BY id LIMIT $1\n\
+                 \x20   SELECT array_agg(id) AS ids, array_agg(id) FILTER (WHERE head) AS heads FROM (\n\
+                 \x20       SELECT id, head FROM (\n\
+                 \x20           SELECT id, true AS head FROM heads UNION ALL SELECT id, false FROM runs\n\
+                 \x20       ) AS a ORDER BY id LIMIT $1\n\
+                 \x20   ) AS b\n\
                  ), locked AS MATERIALIZED (\n\
-                 \x20   SELECT o.id, d.head FROM {t} o JOIN due d ON d.id = o.id\n\
-                 \x20   WHERE o.status = 'pending' ORDER BY o.id FOR UPDATE OF o\n\
+                 \x20   SELECT o.id, coalesce(o.id = ANY((SELECT heads FROM due)::bigint[]), false) AS head\n\
+                 \x20   FROM {t} o WHERE o.id = ANY((SELECT ids FROM due)::bigint[]) AND o.status = 'pending'\n\
+                 \x20   ORDER BY o.id FOR UPDATE OF o\n\
                  )\n\
                  UPDATE {t} t SET\n\
                  \x20   attempts = CASE WHEN locked.head THEN t.attempts + 1 ELSE t.attempts END,\n\
