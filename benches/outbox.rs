@@ -250,6 +250,27 @@ impl Env {
             .await?)
     }
 
+    /// A fresh outbox table and a relay to `exchange` running on it, both with wake-on-commit
+    /// or both without.
+    async fn with_relay(
+        &mut self,
+        name: &str,
+        exchange: &str,
+        notify: bool,
+    ) -> BoxResult<(Outbox, RunningRelay)> {
+        let base = self.outbox(name).await?;
+        let mut outbox = Outbox::builder().table(base.table());
+        if !notify {
+            outbox = outbox.without_notify();
+        }
+        let outbox = outbox.build()?;
+        let mut relay = outbox.relay(self.pool.clone(), self.publisher(exchange).await?);
+        if !notify {
+            relay = relay.without_notify();
+        }
+        Ok((outbox, RunningRelay::start(relay.build()?)))
+    }
+
     /// Enqueues `n` 1 KiB messages (without waking anyone), `aggregate` on each if given.
     async fn fill(&mut self, outbox: &Outbox, n: usize, aggregate: Option<&str>) -> BoxResult<()> {
         let quiet = Outbox::builder()
@@ -661,20 +682,9 @@ async fn writers(env: &mut Env) -> BoxResult<Figure> {
     let mut rates: HashMap<bool, Vec<f64>> = HashMap::new();
     for round in 0..rounds * 2 {
         let notify = round % 2 == 1;
-        let base = env.outbox(&format!("writers_{round}")).await?;
-        let outbox = if notify {
-            base
-        } else {
-            Outbox::builder()
-                .table(base.table())
-                .without_notify()
-                .build()?
-        };
-        let mut relay = outbox.relay(env.pool.clone(), env.publisher(&exchange).await?);
-        if !notify {
-            relay = relay.without_notify();
-        }
-        let relay = RunningRelay::start(relay.build()?);
+        let (outbox, relay) = env
+            .with_relay(&format!("writers_{round}"), &exchange, notify)
+            .await?;
         let commits = Arc::new(AtomicU64::new(0));
         let until = Instant::now() + Duration::from_secs(secs);
         let mut tasks = Vec::new();
@@ -738,20 +748,7 @@ async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
             "latency_poll"
         };
         let (exchange, queue) = env.queue(name).await?;
-        let base = env.outbox(name).await?;
-        let outbox = if notify {
-            base
-        } else {
-            Outbox::builder()
-                .table(base.table())
-                .without_notify()
-                .build()?
-        };
-        let mut relay = outbox.relay(env.pool.clone(), env.publisher(&exchange).await?);
-        if !notify {
-            relay = relay.without_notify();
-        }
-        let relay = RunningRelay::start(relay.build()?);
+        let (outbox, relay) = env.with_relay(name, &exchange, notify).await?;
         tokio::time::sleep(Duration::from_millis(300)).await; // let the relay settle idle
 
         let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();

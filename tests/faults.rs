@@ -34,11 +34,10 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_outbox::{Error, Message, Outbox};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Connection, ConnectionProperties};
 
 const RELAYS: usize = 3;
 const BATCH: usize = 50;
@@ -221,39 +220,15 @@ async fn run(tier: Tier) {
     {
         let amqp = common::broker::connect().await;
         let channel = amqp.create_channel().await.unwrap();
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
+        common::broker::declare(
+            &channel,
+            &exchange,
+            &queue,
+            true,
+            "#",
+            FieldTable::default(),
+        )
+        .await;
         let _ = amqp.close(200, "declared".into()).await;
     }
 

@@ -11,72 +11,15 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use common::broker::{TestBroker, amqp_url, amqp_url_via, message_id, next};
 use common::proxy::FaultProxy;
-use common::{TestSchema, eventually};
+use common::{DEADLINE, eventually, fixture};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Timestamptz};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
-use diesel_outbox::{Error, Message, Outbox, PgPool, PublishError, Publisher, Record};
+use diesel_outbox::{Error, Message, PublishError, Publisher, Record};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
-const DEADLINE: Duration = Duration::from_secs(30);
 const QUIET: Duration = Duration::from_millis(500);
-
-struct Fixture {
-    _schema: TestSchema,
-    conn: AsyncPgConnection,
-    outbox: Outbox,
-    pool: PgPool,
-}
-
-async fn fixture() -> Fixture {
-    let schema = TestSchema::new().await;
-    let mut conn = schema.connect().await;
-    let outbox = Outbox::builder()
-        .table(schema.table("outbox"))
-        .build()
-        .unwrap();
-    outbox.migrate(&mut conn).await.unwrap();
-    Fixture {
-        _schema: schema,
-        conn,
-        outbox,
-        pool: common::pool(4).await,
-    }
-}
-
-impl Fixture {
-    async fn count(&mut self, condition: &str) -> i64 {
-        #[derive(QueryableByName)]
-        struct N {
-            #[diesel(sql_type = BigInt)]
-            n: i64,
-        }
-        diesel::sql_query(format!(
-            "SELECT count(*) AS n FROM {} WHERE {condition}",
-            self.outbox.table()
-        ))
-        .get_result::<N>(&mut self.conn)
-        .await
-        .unwrap()
-        .n
-    }
-
-    async fn wait_rows(&mut self, condition: &str, n: i64) {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        loop {
-            let got = self.count(condition).await;
-            if got == n {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out: {got} rows where {condition}, expected {n}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
 
 async fn publisher(exchange: &str) -> RabbitMqPublisher {
     RabbitMqPublisher::builder(amqp_url(), exchange)

@@ -7,47 +7,23 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{TestSchema, eventually};
+use common::{DEADLINE, Fixture, TestSchema, eventually, fixture};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::{
-    Error, Message, Metrics, Outbox, PgPool, PublishError, Publisher, Record, publisher_fn,
+    Error, Message, Metrics, Outbox, PublishError, Publisher, Record, publisher_fn,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
-const DEADLINE: Duration = Duration::from_secs(30);
-
-struct Fixture {
-    schema: TestSchema,
-    conn: AsyncPgConnection,
-    outbox: Outbox,
-    pool: PgPool,
+/// What the relay tests read of one row.
+trait RowExt {
+    async fn row(&mut self, key: &str) -> RowState;
+    async fn wait_idle_relays(&mut self, n: i64);
 }
 
-async fn fixture() -> Fixture {
-    let schema = TestSchema::new().await;
-    let mut conn = schema.connect().await;
-    let outbox = Outbox::builder()
-        .table(schema.table("outbox"))
-        .build()
-        .unwrap();
-    outbox.migrate(&mut conn).await.unwrap();
-    let pool = common::pool(4).await;
-    Fixture {
-        schema,
-        conn,
-        outbox,
-        pool,
-    }
-}
-
-impl Fixture {
-    async fn enqueue(&mut self, msg: Message) -> String {
-        self.outbox.enqueue(&mut self.conn, msg).await.unwrap()
-    }
-
+impl RowExt for Fixture {
     async fn row(&mut self, key: &str) -> RowState {
         diesel::sql_query(format!(
             "SELECT status, attempts, fencing_token, last_error, \
@@ -59,22 +35,6 @@ impl Fixture {
         .get_result(&mut self.conn)
         .await
         .unwrap()
-    }
-
-    async fn count(&mut self, condition: &str) -> i64 {
-        #[derive(QueryableByName)]
-        struct N {
-            #[diesel(sql_type = BigInt)]
-            n: i64,
-        }
-        diesel::sql_query(format!(
-            "SELECT count(*) AS n FROM {} WHERE {condition}",
-            self.outbox.table()
-        ))
-        .get_result::<N>(&mut self.conn)
-        .await
-        .unwrap()
-        .n
     }
 
     /// Waits until `n` relays have recorded themselves idle (so writers NOTIFY them).
@@ -97,22 +57,6 @@ impl Fixture {
             != n
         {
             assert!(Instant::now() < deadline, "no idle relay recorded");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Waits until `condition` holds for `n` rows.
-    async fn wait_rows(&mut self, condition: &str, n: i64) {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let got = self.count(condition).await;
-            if got == n {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out: {got} rows where {condition}, expected {n}"
-            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -283,22 +227,42 @@ async fn committed_is_published_once_with_every_field_and_rolled_back_never() {
     assert_eq!(f.count("status = 'sent' AND sent_at IS NOT NULL").await, 1);
 }
 
-/// A publisher that publishes, then waits for `release` before failing: the late outcome
-/// of a relay whose lease has run out.
-fn publishes_then_hangs(
-    calls: Arc<AtomicUsize>,
-    release: Arc<Notify>,
+/// A relay that has published its one row and hangs until the returned `Notify` fires,
+/// then fails with `late()`: the late outcome of a relay whose lease ran out. Returns once
+/// it has published.
+async fn stale_relay(
+    f: &Fixture,
     late: fn() -> PublishError,
-) -> impl Publisher {
-    publisher_fn(move |_record| {
-        let calls = calls.clone();
-        let release = release.clone();
+) -> (
+    tokio::task::JoinHandle<Result<usize, Error>>,
+    Arc<Notify>,
+    CountingMetrics,
+) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(Notify::new());
+    let metrics = CountingMetrics::default();
+    let (counted, released) = (calls.clone(), release.clone());
+    let publisher = publisher_fn(move |_record| {
+        let (counted, released) = (counted.clone(), released.clone());
         async move {
-            calls.fetch_add(1, Ordering::SeqCst);
-            release.notified().await;
+            counted.fetch_add(1, Ordering::SeqCst);
+            released.notified().await;
             Err(late())
         }
+    });
+    let stale = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .lease(Duration::from_millis(300))
+        .metrics(metrics.clone())
+        .build()
+        .unwrap();
+    let task = tokio::spawn(async move { stale.run_once().await });
+    eventually(DEADLINE, "the stale relay to publish", || async {
+        (AtomicUsize::load(&calls, Ordering::SeqCst) == 1).then_some(())
     })
+    .await;
+    (task, release, metrics)
 }
 
 #[tokio::test]
@@ -306,26 +270,8 @@ async fn a_stale_relay_after_lease_expiry_is_fenced() {
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "x").key("k")).await;
 
-    let calls = Arc::new(AtomicUsize::new(0));
-    let release = Arc::new(Notify::new());
-    let stale_metrics = CountingMetrics::default();
-    let stale = f
-        .outbox
-        .relay(
-            f.pool.clone(),
-            publishes_then_hangs(calls.clone(), release.clone(), || {
-                PublishError::transient("late failure")
-            }),
-        )
-        .lease(Duration::from_millis(300))
-        .metrics(stale_metrics.clone())
-        .build()
-        .unwrap();
-    let stale_task = tokio::spawn(async move { stale.run_once().await });
-    eventually(DEADLINE, "the stale relay to publish", || async {
-        (AtomicUsize::load(&calls, Ordering::SeqCst) == 1).then_some(())
-    })
-    .await;
+    let (stale_task, release, stale_metrics) =
+        stale_relay(&f, || PublishError::transient("late failure")).await;
 
     // After the lease a second relay publishes the same key.
     let recorder = Recorder::default();
@@ -358,26 +304,8 @@ async fn a_stale_claim_survives_neither_redrive_nor_a_new_claim() {
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "x").key("k")).await;
 
-    let calls = Arc::new(AtomicUsize::new(0));
-    let release = Arc::new(Notify::new());
-    let stale_metrics = CountingMetrics::default();
-    let stale = f
-        .outbox
-        .relay(
-            f.pool.clone(),
-            publishes_then_hangs(calls.clone(), release.clone(), || {
-                PublishError::permanent("late permanent failure")
-            }),
-        )
-        .lease(Duration::from_millis(300))
-        .metrics(stale_metrics.clone())
-        .build()
-        .unwrap();
-    let stale_task = tokio::spawn(async move { stale.run_once().await });
-    eventually(DEADLINE, "the stale claim", || async {
-        (AtomicUsize::load(&calls, Ordering::SeqCst) == 1).then_some(())
-    })
-    .await;
+    let (stale_task, release, stale_metrics) =
+        stale_relay(&f, || PublishError::permanent("late permanent failure")).await;
 
     // Token 2: a permanent failure kills the row; redrive brings it back (token kept).
     let killer = f

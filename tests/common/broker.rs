@@ -55,40 +55,7 @@ impl TestBroker {
         let channel = connection.create_channel().await.unwrap();
         let exchange = super::unique("x");
         let queue = super::unique("q");
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                args,
-            )
-            .await
-            .unwrap();
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                binding.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
+        declare(&channel, &exchange, &queue, false, binding, args).await;
         TestBroker {
             exchange,
             queue,
@@ -108,6 +75,55 @@ impl TestBroker {
             .await
             .unwrap()
     }
+}
+
+/// Declares a topic exchange and a queue bound to it with `binding`: durable ones (which
+/// survive a broker restart, and must be deleted by the caller), or an auto-deleted exchange
+/// and an exclusive queue.
+pub async fn declare(
+    channel: &Channel,
+    exchange: &str,
+    queue: &str,
+    durable: bool,
+    binding: &str,
+    args: FieldTable,
+) {
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable,
+                auto_delete: !durable,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable,
+                exclusive: !durable,
+                auto_delete: !durable,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            binding.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
 }
 
 /// The next delivery, acked, or `None` if none arrives within `wait`.

@@ -134,6 +134,72 @@ pub async fn pool(size: u32) -> diesel_outbox::PgPool {
         .expect("pool")
 }
 
+/// A migrated outbox table of the test's own, a connection and a relay pool.
+pub struct Fixture {
+    pub schema: TestSchema,
+    pub conn: AsyncPgConnection,
+    pub outbox: diesel_outbox::Outbox,
+    pub pool: diesel_outbox::PgPool,
+}
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+pub async fn fixture() -> Fixture {
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let outbox = diesel_outbox::Outbox::builder()
+        .table(schema.table("outbox"))
+        .build()
+        .unwrap();
+    outbox.migrate(&mut conn).await.unwrap();
+    Fixture {
+        schema,
+        conn,
+        outbox,
+        pool: pool(4).await,
+    }
+}
+
+impl Fixture {
+    pub async fn enqueue(&mut self, msg: diesel_outbox::Message) -> String {
+        self.outbox.enqueue(&mut self.conn, msg).await.unwrap()
+    }
+
+    /// Rows of the outbox where `condition` (SQL) holds.
+    pub async fn count(&mut self, condition: &str) -> i64 {
+        use diesel_async::RunQueryDsl;
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        diesel::sql_query(format!(
+            "SELECT count(*) AS n FROM {} WHERE {condition}",
+            self.outbox.table()
+        ))
+        .get_result::<N>(&mut self.conn)
+        .await
+        .unwrap()
+        .n
+    }
+
+    /// Waits until `condition` holds for `n` rows.
+    pub async fn wait_rows(&mut self, condition: &str, n: i64) {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let got = self.count(condition).await;
+            if got == n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out: {got} rows where {condition}, expected {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
 pub mod proxy;
