@@ -83,7 +83,7 @@
 //!   aggregate (a row lock on the aggregate) if its order matters.
 //!
 //! # Features
-//! - `sync`: the [`sync`] module, for `diesel::PgConnection` (links libpq).
+//! - `sync`: the `sync` module, for `diesel::PgConnection` (links libpq).
 //! - `rabbitmq`: the RabbitMQ publisher, `rabbitmq::RabbitMqPublisher` (lapin).
 //! - `cli`: the `diesel-outbox` operator binary.
 //!
