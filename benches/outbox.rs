@@ -250,6 +250,37 @@ impl Env {
             .await?)
     }
 
+    /// Waits until the relay on `outbox` has finished lingering after start-up: with
+    /// notify, until it has recorded itself idle; without, for as long as lingering lasts.
+    async fn wait_idle(&mut self, outbox: &Outbox, notify: bool) -> BoxResult<()> {
+        if !notify {
+            // Without LISTEN there is no record to wait for; lingering lasts 50 ms.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Ok(());
+        }
+        #[derive(QueryableByName)]
+        struct Idle {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            idle: bool,
+        }
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM {}_relays WHERE idle) AS idle",
+            outbox.table()
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !diesel::sql_query(&sql)
+            .get_result::<Idle>(&mut self.conn)
+            .await?
+            .idle
+        {
+            if Instant::now() > deadline {
+                return Err("the relay never went idle".into());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
     /// A fresh outbox table and a relay to `exchange` running on it, both with wake-on-commit
     /// or both without.
     async fn with_relay(
@@ -379,21 +410,7 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         if in_flight.len() >= window {
             in_flight.next().await.expect("a confirm")?;
         }
-        let confirm = raw_channel
-            .basic_publish(
-                exchange.as_str().into(),
-                "bench.event".into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &payload,
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(format!("raw{i}").into()),
-            )
-            .await?;
-        in_flight.push(confirm);
+        in_flight.push(raw_publish(&raw_channel, &exchange, &payload, format!("raw{i}")).await?);
     }
     while let Some(confirm) = in_flight.next().await {
         confirm?;
@@ -490,19 +507,7 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
             e => Err(e),
         })?
     {
-        naive_channel
-            .basic_publish(
-                exchange.as_str().into(),
-                "bench.event".into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &row.payload,
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(row.key.into()),
-            )
+        raw_publish(&naive_channel, &exchange, &row.payload, row.key)
             .await?
             .await?;
         diesel::sql_query(&mark)
@@ -588,6 +593,29 @@ fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
 fn cpu_share(before: [f64; 4], after: [f64; 4], wall: f64) -> serde_json::Value {
     let share = |i: usize| round((after[i] - before[i]) / wall);
     json!({ "broker_cores": share(0), "postgres_cores": share(1), "bench_cores": share(2), "relay_cores": share(3) })
+}
+
+/// What the baselines publish: as the relay does, persistent and mandatory, with a message id.
+async fn raw_publish(
+    channel: &Channel,
+    exchange: &str,
+    payload: &[u8],
+    id: String,
+) -> lapin::Result<lapin::PublisherConfirm> {
+    channel
+        .basic_publish(
+            exchange.into(),
+            "bench.event".into(),
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
+            payload,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(id.into()),
+        )
+        .await
 }
 
 fn status_kib(pid: u32, field: &str) -> Option<u64> {
@@ -749,7 +777,8 @@ async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
         };
         let (exchange, queue) = env.queue(name).await?;
         let (outbox, relay) = env.with_relay(name, &exchange, notify).await?;
-        tokio::time::sleep(Duration::from_millis(300)).await; // let the relay settle idle
+        // Start from a quiet relay: idle and, with notify, recorded as such for writers.
+        env.wait_idle(&outbox, notify).await?;
 
         let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
         let received: Arc<Mutex<Vec<f64>>> = Arc::default();
@@ -879,19 +908,7 @@ async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let payload = vec![b'x'; KIB];
     let started = Instant::now();
     for i in 0..n {
-        channel
-            .basic_publish(
-                exchange.as_str().into(),
-                "bench.event".into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &payload,
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(format!("one{i}").into()),
-            )
+        raw_publish(&channel, &exchange, &payload, format!("one{i}"))
             .await?
             .await?;
     }

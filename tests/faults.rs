@@ -432,8 +432,16 @@ async fn run(tier: Tier) {
     }
     let drained_in = faults_stopped.elapsed();
     relays.stop_all();
-    // Late duplicates from a stale relay would arrive now; give the consumer a moment.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Every publish is confirmed by now, late duplicates of stale relays included: consume
+    // until the queue holds nothing, ready or unacknowledged.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while queue_depth(&queue) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the consumer never emptied the queue"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     consuming.store(false, Ordering::SeqCst);
     consumer.await.unwrap();
 
@@ -807,6 +815,26 @@ async fn consume(
         }
         let _ = amqp.close(200, "consumer done".into()).await;
     }
+}
+
+/// Messages in `queue`, ready or delivered but not yet acknowledged.
+fn queue_depth(queue: &str) -> u64 {
+    let out = Command::new("rabbitmqctl")
+        .args([
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ])
+        .output()
+        .expect("rabbitmqctl");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_once('\t'))
+        .find(|(name, _)| *name == queue)
+        .and_then(|(_, n)| n.trim().parse().ok())
+        .expect("the queue is listed")
 }
 
 fn rabbitmqctl(args: &[&str]) {

@@ -517,7 +517,7 @@ impl<P: Publisher> Relay<P> {
 
     /// Records outcomes, retrying briefly: a row whose outcome is lost stays leased until
     /// its lease ends and is then published again.
-    async fn record(&self, outcomes: &[Outcome]) -> store::Recorded {
+    async fn record(&self, outcomes: &[Outcome]) {
         let inner = &self.inner;
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
@@ -528,16 +528,16 @@ impl<P: Publisher> Relay<P> {
             }
             .await;
             match result {
-                Ok(recorded) => {
+                Ok(fenced) => {
                     tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
-                    if recorded.fenced > 0 {
+                    if fenced > 0 {
                         tracing::warn!(
-                            table = %inner.outbox.table(), fenced = recorded.fenced,
+                            table = %inner.outbox.table(), fenced,
                             "outcomes discarded: another relay took these rows over after our lease ended"
                         );
-                        inner.metrics.fenced(recorded.fenced);
+                        inner.metrics.fenced(fenced);
                     }
-                    return recorded;
+                    return;
                 }
                 Err(e) if attempt < 5 => {
                     tracing::warn!(table = %inner.outbox.table(), error = %e, "recording outcomes failed; retrying");
@@ -552,6 +552,5 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         }
-        store::Recorded::default()
     }
 }

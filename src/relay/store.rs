@@ -140,13 +140,6 @@ impl Outcome {
     }
 }
 
-/// What recording a batch's outcomes changed.
-#[derive(Debug, Default)]
-pub(crate) struct Recorded {
-    /// Outcomes that did not apply: another relay holds a newer claim (fencing).
-    pub(crate) fenced: usize,
-}
-
 impl Outbox {
     /// Claims up to `batch_size` due rows with one statement (see `Statements::claim`).
     pub(crate) async fn claim(
@@ -196,13 +189,14 @@ impl Outbox {
     }
 
     /// Records every outcome of a batch with one statement, fenced by token and status.
+    /// Returns how many outcomes were discarded because another relay holds a newer claim.
     pub(crate) async fn record_outcomes(
         &self,
         conn: &mut AsyncPgConnection,
         outcomes: &[Outcome],
-    ) -> Result<Recorded> {
+    ) -> Result<usize> {
         if outcomes.is_empty() {
-            return Ok(Recorded::default());
+            return Ok(0);
         }
         // In id order, as claims lock rows, so the two never wait on each other in a cycle.
         let mut outcomes: Vec<&Outcome> = outcomes.iter().collect();
@@ -227,9 +221,7 @@ impl Outbox {
             .bind::<Array<Nullable<Text>>, _>(errors)
             .bind::<Array<Integer>, _>(attempts);
         let rows: Vec<OutcomeRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
-        Ok(Recorded {
-            fenced: outcomes.len().saturating_sub(rows.len()),
-        })
+        Ok(outcomes.len().saturating_sub(rows.len()))
     }
 }
 
