@@ -54,16 +54,17 @@
 //! 1. **claims** up to `batch_size` due rows in one statement (`FOR UPDATE SKIP LOCKED`, so
 //!    relays pass over each other), stamping a lease and incrementing the fencing token. Of
 //!    an aggregate only its oldest pending row (its head) is claimed on its own; behind a
-//!    head on its first attempt the claim also takes the run of due successors (up to 64),
-//!    which only the relay holding the head can get;
+//!    head on its first attempt the claim also takes the run of due successors (up to the
+//!    batch size, at most 1,000), which only the relay holding the head can get;
 //! 2. **publishes** outside any transaction, holding no connection: one by one up to
 //!    `concurrency` at a time, or the whole batch at once for a pipelining publisher;
 //! 3. **records** every outcome of the batch in one statement fenced by token and status:
 //!    sent, retry (capped exponential backoff with jitter), or dead (after `max_attempts`,
 //!    or a permanent error).
 //!
-//! Up to three batches are in flight at once, each publishing and then recording on a task
-//! of its own while the relay claims the next, so database and broker work overlap. A claim
+//! Up to three batches publish at once, each on a task of its own that then records the
+//! outcomes, and the relay keeps the next batch claimed and waiting, so the broker is fed
+//! again the moment a batch's confirms are in and database and broker work overlap. A claim
 //! also takes, behind each aggregate's oldest pending message, the run of its due successors;
 //! the relay publishes such a run one message at a time, each after its predecessor's
 //! confirm, so a backlog of one aggregate drains at the broker's round-trip speed. After a

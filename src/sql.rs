@@ -273,31 +273,30 @@ impl Statements {
                  \x20   ) AS r\n\
                  \x20   WHERE h.aggregate_key IS NOT NULL AND h.attempts = 0 AND r.unbroken\n\
                  ), due AS MATERIALIZED (\n\
-                 \x20   SELECT array_agg(id) AS ids, array_agg(id) FILTER (WHERE head) AS heads FROM (\n\
+                 \x20   SELECT array_agg(id) AS ids, \
+                 coalesce(array_agg(id) FILTER (WHERE NOT head), '{{}}') AS runs FROM (\n\
                  \x20       SELECT id, head FROM (\n\
                  \x20           SELECT id, true AS head FROM heads UNION ALL SELECT id, false FROM runs\n\
                  \x20       ) AS a ORDER BY id LIMIT $1\n\
                  \x20   ) AS b\n\
-                 ), locked AS MATERIALIZED (\n\
-                 \x20   SELECT o.id, coalesce(o.id = ANY((SELECT heads FROM due)::bigint[]), false) AS head\n\
-                 \x20   FROM {t} o WHERE o.id = ANY((SELECT ids FROM due)::bigint[]) AND o.status = 'pending'\n\
-                 \x20   ORDER BY o.id FOR UPDATE OF o\n\
                  )\n\
                  UPDATE {t} t SET\n\
-                 \x20   attempts = CASE WHEN locked.head THEN t.attempts + 1 ELSE t.attempts END,\n\
+                 \x20   attempts = CASE WHEN t.id = ANY((SELECT runs FROM due)::bigint[]) THEN t.attempts ELSE t.attempts + 1 END,\n\
                  \x20   fencing_token = t.fencing_token + 1,\n\
-                 \x20   lease_until = CASE WHEN locked.head AND t.attempts >= $3 THEN NULL \
+                 \x20   lease_until = CASE WHEN {crash_loop} THEN NULL \
                  ELSE now() + $2 * interval '1 microsecond' END,\n\
-                 \x20   status = CASE WHEN locked.head AND t.attempts >= $3 THEN 'dead' ELSE 'pending' END,\n\
-                 \x20   dead_at = CASE WHEN locked.head AND t.attempts >= $3 THEN now() END,\n\
-                 \x20   last_error = CASE WHEN locked.head AND t.attempts >= $3 \
+                 \x20   status = CASE WHEN {crash_loop} THEN 'dead' ELSE 'pending' END,\n\
+                 \x20   dead_at = CASE WHEN {crash_loop} THEN now() END,\n\
+                 \x20   last_error = CASE WHEN {crash_loop} \
                  THEN 'claimed ' || (t.attempts + 1) || ' times without an outcome \
                  (relay crashed or lease expired); max_attempts is ' || $3 \
                  ELSE t.last_error END\n\
-                 FROM locked WHERE t.id = locked.id\n\
+                 WHERE t.id = ANY((SELECT ids FROM due)::bigint[]) AND t.status = 'pending'\n\
                  RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, \
                  t.content_type, t.headers, t.attempts, t.fencing_token, t.created_at, t.status, \
-                 locked.head"
+                 NOT t.id = ANY((SELECT runs FROM due)::bigint[]) AS head",
+                crash_loop =
+                    "t.attempts >= $3 AND NOT t.id = ANY((SELECT runs FROM due)::bigint[])",
             )),
             // A cheap look for work, used while lingering between claims.
             due: Statement::new(format!(

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use futures_util::FutureExt;
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
@@ -76,8 +76,9 @@ impl<P: Publisher> RelayBuilder<P> {
 
     /// Records of one batch published at once when the publisher publishes one by one
     /// (1 to 1,024); a pipelining publisher gets the whole batch instead. Up to three
-    /// batches publish (or record) at once while the relay claims the next, so a relay may
-    /// run up to three times this many publishes. Defaults to 4.
+    /// batches publish at once (and more may be recording their outcomes) while the relay
+    /// claims the next, so a relay may run up to three times this many publishes.
+    /// Defaults to 4.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.options.concurrency = n;
         self
@@ -214,7 +215,9 @@ struct Inner<P> {
 
 /// Claimed batches publishing at once.
 const PIPELINE: usize = 3;
-/// While batches are in flight, the relay looks for new work this often.
+/// While batches are in flight, the relay looks for new work this often, and half as often
+/// after each look that found nothing (at most 16 times less often, and never less often
+/// than the poll interval).
 const BUSY_POLL: Duration = Duration::from_millis(10);
 /// After work, the relay keeps looking for this long before it calls itself idle.
 const LINGER: Duration = Duration::from_millis(50);
@@ -295,32 +298,46 @@ impl<P: Publisher> Relay<P> {
         result
     }
 
-    /// The relay loop. Up to [`PIPELINE`] claimed batches publish (and then record their
-    /// outcomes) at once, each on a task of its own, so claiming, publishing and recording
-    /// overlap. Returns once `stop` is true and every batch in flight was drained.
+    /// The relay loop. Up to [`PIPELINE`] claimed batches publish at once, each on a task of
+    /// its own that then records the outcomes, and one more batch waits claimed, ready to
+    /// go the moment a publishing slot frees: a broker that confirms in bursts is fed again
+    /// at once instead of waiting for a claim. Returns once `stop` is true and every batch
+    /// in flight was drained (a batch still waiting is released).
     async fn run(&self, stop: watch::Receiver<bool>) -> Result<()> {
         let inner = &self.inner;
         let table = inner.outbox.table();
         let mut stopped = stop.clone();
         let mut in_flight: JoinSet<()> = JoinSet::new();
+        let slots = Arc::new(Semaphore::new(PIPELINE));
+        let mut ready: Option<Batch> = None;
         let mut failures = 0u32;
         let mut linger_until = Instant::now() + LINGER;
         let mut claim_more = true;
+        // Fruitless looks for new work while batches are under way; each one waits longer.
+        let mut fruitless = 0u32;
         let result = 'run: loop {
             let stopping = *stop.borrow();
             if stopping {
                 break Ok(());
             }
-            if claim_more && in_flight.len() < PIPELINE {
+            if ready.is_some()
+                && let Ok(slot) = slots.clone().try_acquire_owned()
+            {
+                let batch = ready.take().expect("checked above");
+                self.start(&mut in_flight, batch, Some(slot), &stop);
+            }
+            // Leave room for the batches that are recording, which no longer hold a slot.
+            if claim_more && ready.is_none() && in_flight.len() < 2 * PIPELINE {
                 match self.claim().await {
                     Ok(batch) if batch.claimed() > 0 => {
                         failures = 0;
+                        fruitless = 0;
                         // A batch that was not full says the backlog is drained for now.
                         claim_more = batch.claimed() >= inner.options.batch_size;
-                        self.start(&mut in_flight, batch, &stop);
+                        ready = Some(batch);
                         continue;
                     }
-                    Ok(_) => {}
+                    Ok(_) => fruitless = fruitless.saturating_add(1),
                     Err(e @ Error::NotMigrated { .. }) => break Err(e),
                     Err(e) => {
                         failures += 1;
@@ -336,22 +353,32 @@ impl<P: Publisher> Relay<P> {
                     }
                 }
             }
-            if !in_flight.is_empty() {
-                // Batches are under way: wait for one to finish, but look for new work
-                // now and then, so a slow batch does not hold up fresh messages.
+            if ready.is_some() || !in_flight.is_empty() {
+                // Batches are under way: start the waiting one when a slot frees, and look
+                // for new work now and then, so a slow batch does not hold up fresh messages.
+                // A finished batch may have unblocked its aggregates' successors: look again
+                // at once.
+                let busy_poll = (BUSY_POLL * 2u32.saturating_pow(fruitless.min(4)))
+                    .min(inner.options.poll_interval);
                 tokio::select! {
-                    done = in_flight.join_next() => {
+                    done = in_flight.join_next(), if !in_flight.is_empty() => {
                         if let Some(done) = done {
                             self.finished(done);
                         }
+                        claim_more = true;
                     }
-                    () = tokio::time::sleep(BUSY_POLL), if in_flight.len() < PIPELINE => {}
+                    slot = slots.clone().acquire_owned(), if ready.is_some() => {
+                        let slot = slot.expect("the semaphore is never closed");
+                        let batch = ready.take().expect("checked above");
+                        self.start(&mut in_flight, batch, Some(slot), &stop);
+                    }
+                    () = tokio::time::sleep(busy_poll), if ready.is_none() => claim_more = true,
                     () = until_stopped(&mut stopped) => break Ok(()),
                 }
                 linger_until = Instant::now() + LINGER;
-                claim_more = true;
                 continue;
             }
+            fruitless = 0;
 
             // Nothing due and nothing in flight. Right after work, keep looking often for a
             // while: under steady traffic the relay stays awake and writers need not NOTIFY.
@@ -372,7 +399,8 @@ impl<P: Publisher> Relay<P> {
                 match self.claim().await {
                     Ok(batch) if batch.claimed() > 0 => {
                         self.mark_idle(false).await;
-                        self.start(&mut in_flight, batch, &stop);
+                        claim_more = batch.claimed() >= inner.options.batch_size;
+                        ready = Some(batch);
                         continue;
                     }
                     Ok(_) => {}
@@ -401,7 +429,11 @@ impl<P: Publisher> Relay<P> {
                 self.mark_idle(false).await;
             }
         };
-        // Shutdown: batches in flight drain (their tasks saw `stop`), then are recorded.
+        // Shutdown: a batch still waiting is released; batches in flight drain (their tasks
+        // saw `stop`), then are recorded.
+        if let Some(batch) = ready {
+            self.start(&mut in_flight, batch, None, &stop);
+        }
         while let Some(done) = in_flight.join_next().await {
             self.finished(done);
         }
@@ -427,12 +459,20 @@ impl<P: Publisher> Relay<P> {
         }
     }
 
-    /// Publishes a claimed batch and records its outcomes on a task of its own.
-    fn start(&self, in_flight: &mut JoinSet<()>, batch: Batch, stop: &watch::Receiver<bool>) {
+    /// Publishes a claimed batch and records its outcomes on a task of its own. The
+    /// publishing slot is given back as soon as the publishes are over.
+    fn start(
+        &self,
+        in_flight: &mut JoinSet<()>,
+        batch: Batch,
+        slot: Option<OwnedSemaphorePermit>,
+        stop: &watch::Receiver<bool>,
+    ) {
         let this = self.clone();
         let stop = stop.clone();
         in_flight.spawn(async move {
             let outcomes = this.process(batch, stop).await;
+            drop(slot);
             this.record(&outcomes).await;
         });
     }

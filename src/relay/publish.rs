@@ -37,6 +37,7 @@ impl<P: Publisher> Relay<P> {
         let inner = &self.inner;
         let table = inner.outbox.table();
         let Batch {
+            claimed_at,
             ready,
             crash_looped,
             undecodable,
@@ -58,7 +59,7 @@ impl<P: Publisher> Relay<P> {
             inner.metrics.dead_lettered(&record.topic, record.attempt);
             outcomes.push(outcome);
         }
-        outcomes.extend(self.publish(ready, stop).await);
+        outcomes.extend(self.publish(ready, claimed_at, stop).await);
         outcomes
     }
 
@@ -67,7 +68,12 @@ impl<P: Publisher> Relay<P> {
     /// aggregate). All of a wave may go out at once; a message goes out only after its
     /// predecessor was confirmed, so each aggregate is published one at a time, in order.
     /// After a failure the rest of that aggregate's run is released, untried.
-    async fn publish(&self, ready: Vec<Claimed>, stop: watch::Receiver<bool>) -> Vec<Outcome> {
+    async fn publish(
+        &self,
+        ready: Vec<Claimed>,
+        claimed_at: Instant,
+        stop: watch::Receiver<bool>,
+    ) -> Vec<Outcome> {
         let inner = &self.inner;
         let mut drain = Drain {
             stop,
@@ -78,9 +84,10 @@ impl<P: Publisher> Relay<P> {
         let mut blocked: HashSet<String> = HashSet::new();
         let mut released = 0;
         for wave in waves(ready) {
-            // Later waves wait for earlier ones; once half the lease is gone, the rest is
-            // released rather than risk publishing it after another relay took it over.
-            let late = started.elapsed() > inner.options.lease / 2;
+            // Later waves wait for earlier ones (and a batch may wait for a publishing slot);
+            // once half the lease is gone, the rest is released rather than risk publishing
+            // it after another relay took it over.
+            let late = claimed_at.elapsed() > inner.options.lease / 2;
             let (go, held): (Vec<Claimed>, Vec<Claimed>) = wave.into_iter().partition(|c| {
                 !drain.stopping()
                     && !late

@@ -9,6 +9,7 @@ use diesel::QueryableByName;
 use diesel::pg::Pg;
 use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Jsonb, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use tokio::time::Instant;
 
 use crate::error::Result;
 use crate::outbox::Outbox;
@@ -17,7 +18,7 @@ use crate::sql::{OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT};
 use crate::statement::Prepared;
 
 /// The longest run of one aggregate's messages a claim takes behind its head.
-pub(crate) const MAX_RUN: usize = 64;
+pub(crate) const MAX_RUN: usize = 1_000;
 
 /// `last_error` is cut to at most this many bytes.
 pub(crate) const MAX_ERROR_BYTES: usize = 2_000;
@@ -65,8 +66,10 @@ pub(crate) struct Claimed {
 }
 
 /// What one claim statement returned.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Batch {
+    /// Taken just before the claim ran: the leases end no earlier than `lease` after this.
+    pub(crate) claimed_at: Instant,
     /// Records to publish, in id order.
     pub(crate) ready: Vec<Claimed>,
     /// Rows the claim itself turned dead: claimed too often without an outcome.
@@ -149,6 +152,7 @@ impl Outbox {
         lease: Duration,
         max_attempts: u32,
     ) -> Result<Batch> {
+        let claimed_at = Instant::now();
         let rows = self
             .statements()
             .claim
@@ -158,7 +162,12 @@ impl Outbox {
             .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX))
             .bind::<BigInt, _>(i64::try_from(batch_size.min(MAX_RUN)).unwrap_or(1));
         let rows: Vec<ClaimRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
-        let mut batch = Batch::default();
+        let mut batch = Batch {
+            claimed_at,
+            ready: Vec::new(),
+            crash_looped: Vec::new(),
+            undecodable: Vec::new(),
+        };
         for row in rows {
             let headers = decode_headers(&row.headers);
             let status_dead = row.status == "dead";
