@@ -307,7 +307,9 @@ impl Statements {
                  AS due"
             )),
             // One statement for every outcome of a batch, fenced by token and status: a
-            // relay whose lease was taken over updates nothing.
+            // relay whose lease was taken over updates nothing. `t.id = ANY($1)` bounds the
+            // rows read to the batch whatever the planner estimates; it runs as a hash join
+            // (see `store::RECORD_PLAN`), never as a nested loop rescanning the arrays.
             record_outcomes: Statement::new(format!(
                 "UPDATE {t} t SET\n\
                  \x20   status = CASE o.kind WHEN '{OUTCOME_SENT}' THEN 'sent' \
@@ -323,7 +325,8 @@ impl Statements {
                  \x20   lease_until = NULL\n\
                  FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::bigint[], $5::text[], \
                  $6::integer[]) AS o(id, token, kind, delay_us, err, attempt)\n\
-                 WHERE t.id = o.id AND t.fencing_token = o.token AND t.status = 'pending'\n\
+                 WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.fencing_token = o.token \
+                 AND t.status = 'pending'\n\
                  RETURNING t.id"
             )),
             listen: format!("LISTEN \"{}\"", table.channel()),

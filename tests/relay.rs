@@ -1083,3 +1083,63 @@ async fn a_failed_run_member_releases_its_successors_untried() {
         assert_eq!((untried.attempts, untried.leased), (0, false), "{key}");
     }
 }
+
+/// Statistics taken before a burst say nothing is pending. Claiming and recording a batch
+/// must still read about that batch, not the whole backlog (a plan that reads every pending
+/// row per batch turns a burst into quadratic work).
+#[tokio::test]
+async fn a_batch_reads_only_its_rows_when_statistics_predate_the_backlog() {
+    let mut f = fixture().await;
+    let t = f.outbox.table().to_owned();
+    f.conn
+        .batch_execute(&format!(
+            "INSERT INTO {t} (idempotency_key, topic, payload, status, sent_at) \
+             SELECT 'h' || g, 't', '\\x00'::bytea, 'sent', now() FROM generate_series(1, 5000) g; \
+             ANALYZE {t}; \
+             INSERT INTO {t} (idempotency_key, topic, payload) \
+             SELECT 'p' || g, 't', '\\x00'::bytea FROM generate_series(1, 5000) g"
+        ))
+        .await
+        .unwrap();
+    // One connection, so the relay's statements all run on the backend we ask afterwards.
+    let pool = common::pool(1).await;
+    let relay = f
+        .outbox
+        .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
+        .batch_size(10)
+        .without_notify()
+        .build()
+        .unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 10);
+    assert_eq!(
+        f.count("status = 'sent' AND idempotency_key LIKE 'p%'")
+            .await,
+        10
+    );
+
+    #[derive(QueryableByName)]
+    struct Read {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let mut conn = pool.get().await.unwrap();
+    // Stats reach the shared counters when the backend next goes idle.
+    conn.batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    let read: Read = diesel::sql_query(format!(
+        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes \
+         WHERE relid = '{t}'::regclass)::bigint \
+         + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables \
+         WHERE relid = '{t}'::regclass) AS n"
+    ))
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    // At least the batch itself was read, or the counters were not flushed.
+    assert!(
+        (10..1_000).contains(&read.n),
+        "claiming and recording 10 rows read {} index and table entries",
+        read.n
+    );
+}

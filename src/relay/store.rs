@@ -161,7 +161,9 @@ impl Outbox {
             .bind::<BigInt, _>(micros(lease))
             .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX))
             .bind::<BigInt, _>(i64::try_from(batch_size.min(MAX_RUN)).unwrap_or(1));
-        let rows: Vec<ClaimRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
+        let rows: Vec<ClaimRow> = planned(conn, CLAIM_PLAN, rows)
+            .await
+            .map_err(|e| self.db_error(e))?;
         let mut batch = Batch {
             claimed_at,
             ready: Vec::new(),
@@ -229,7 +231,9 @@ impl Outbox {
             .bind::<Array<BigInt>, _>(delays)
             .bind::<Array<Nullable<Text>>, _>(errors)
             .bind::<Array<Integer>, _>(attempts);
-        let rows: Vec<OutcomeRow> = by_index(conn, rows).await.map_err(|e| self.db_error(e))?;
+        let rows: Vec<OutcomeRow> = planned(conn, RECORD_PLAN, rows)
+            .await
+            .map_err(|e| self.db_error(e))?;
         Ok(outcomes.len().saturating_sub(rows.len()))
     }
 }
@@ -289,17 +293,29 @@ impl Outbox {
     }
 }
 
-/// Runs one of the relay's statements in a transaction that lets the planner use only index
-/// scans. They must walk the partial indexes in id order and stop at the batch size; right
-/// after a bulk load, stale statistics can make a bitmap scan and sort look cheaper, and that
-/// costs time in proportion to the whole backlog on every claim.
-async fn by_index<R>(conn: &mut AsyncPgConnection, query: Prepared<'_>) -> QueryResult<Vec<R>>
+/// Planner settings for the claim. It must walk the partial indexes in id order and stop at
+/// the batch size; right after a bulk load, stale statistics can make a bitmap scan and sort
+/// look cheaper, and that costs time in proportion to the whole backlog on every claim.
+const CLAIM_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
+
+/// Planner settings for recording outcomes: index scans as for the claim, and no nested
+/// loop. When the statistics say few rows are pending (say, analysed before a burst), the
+/// planner would otherwise rescan the outcome arrays once per row, or read every pending row
+/// into a hash: both cost in proportion to more than the batch.
+const RECORD_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; \
+                           SET LOCAL enable_nestloop = off";
+
+/// Runs one of the relay's statements in a transaction with the given planner settings.
+async fn planned<R>(
+    conn: &mut AsyncPgConnection,
+    settings: &'static str,
+    query: Prepared<'_>,
+) -> QueryResult<Vec<R>>
 where
     R: QueryableByName<Pg> + Send + 'static,
 {
     conn.transaction(async move |c| {
-        c.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
-            .await?;
+        c.batch_execute(settings).await?;
         query.load::<R>(c).await
     })
     .await
