@@ -152,7 +152,20 @@ impl RabbitMqPublisher {
                     at - Instant::now()
                 ));
             }
-            match Connection::connect_uri(self.uri.clone(), ConnectionProperties::default()).await {
+            // A broker that accepts the socket but never finishes the handshake must not
+            // hold the publisher (and this lock) forever.
+            let connecting = tokio::time::timeout(
+                self.confirm_timeout,
+                Connection::connect_uri(self.uri.clone(), ConnectionProperties::default()),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(lapin::Error::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no handshake within {:?}", self.confirm_timeout),
+                )))
+            });
+            match connecting {
                 Ok(connection) => {
                     tracing::info!(endpoint = %self.endpoint, "connected to RabbitMQ");
                     link.connection = Some(connection);
@@ -172,20 +185,27 @@ impl RabbitMqPublisher {
             }
         }
         let connection = link.connection.as_ref().expect("connected above");
-        let channel = async {
+        let opening = async {
             let channel = connection.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await?;
             Ok::<_, lapin::Error>(channel)
-        }
-        .await
-        .map_err(|e| {
-            format!(
-                "opening a confirm channel on RabbitMQ at {} failed: {e}",
-                self.endpoint
-            )
-        })?;
+        };
+        let channel = match tokio::time::timeout(self.confirm_timeout, opening).await {
+            Ok(opened) => opened.map_err(|e| {
+                format!(
+                    "opening a confirm channel on RabbitMQ at {} failed: {e}",
+                    self.endpoint
+                )
+            })?,
+            Err(_) => {
+                return Err(format!(
+                    "opening a confirm channel on RabbitMQ at {} took over {:?}",
+                    self.endpoint, self.confirm_timeout
+                ));
+            }
+        };
         link.backoff = None;
         link.retry_at = None;
         Ok(channel)
@@ -320,7 +340,8 @@ impl RabbitMqPublisherBuilder {
     }
 
     /// How long to wait for the broker's confirms of a batch before counting the missing
-    /// ones as transient failures. Defaults to 10 s.
+    /// ones as transient failures; it also bounds connecting and opening a channel.
+    /// Defaults to 10 s.
     pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout;
         self
