@@ -455,3 +455,26 @@ async fn a_missing_exchange_fails_transiently_and_the_channel_recovers() {
         Some(&AMQPValue::LongLongInt(2))
     );
 }
+
+#[tokio::test]
+async fn a_broker_that_never_answers_the_handshake_fails_the_connect_in_time() {
+    // Accepts connections and holds them open without a word of AMQP.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let connecting = RabbitMqPublisher::builder(amqp_url_via(addr), "events")
+        .confirm_timeout(Duration::from_millis(300))
+        .connect();
+    let result = tokio::time::timeout(DEADLINE, connecting)
+        .await
+        .expect("connect gave up within the confirm timeout");
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::Publish(_)), "{err:?}");
+    assert!(!err.to_string().contains("guest:"), "{err}");
+    holder.abort();
+}
