@@ -159,12 +159,8 @@ impl RabbitMqPublisher {
                 Connection::connect_uri(self.uri.clone(), ConnectionProperties::default()),
             )
             .await
-            .unwrap_or_else(|_| {
-                Err(lapin::Error::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no handshake within {:?}", self.confirm_timeout),
-                )))
-            });
+            .map_err(|_| format!("no handshake within {:?}", self.confirm_timeout))
+            .and_then(|connected| connected.map_err(|e| e.to_string()));
             match connecting {
                 Ok(connection) => {
                     tracing::info!(endpoint = %self.endpoint, "connected to RabbitMQ");

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::TestSchema;
-use common::broker::{amqp_url, amqp_url_via};
+use common::broker::{amqp_url, amqp_url_via, message_id};
 use common::proxy::FaultProxy;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Text};
@@ -767,12 +767,7 @@ async fn consume(
                 Ok(Some(Ok(delivery))) => delivery,
                 Ok(_) => break, // the connection died: reconnect
             };
-            let key = delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|k| k.to_string())
-                .unwrap_or_default();
+            let key = message_id(&delivery);
             let body: serde_json::Value =
                 serde_json::from_slice(&delivery.data).unwrap_or_default();
             let attempt = delivery

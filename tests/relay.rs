@@ -133,6 +133,26 @@ impl Recorder {
     fn len(&self) -> usize {
         self.0.lock().unwrap().len()
     }
+
+    /// A publisher that fails each record `fail` returns an error for, and records the rest
+    /// here.
+    fn failing<F>(&self, fail: F) -> impl Publisher
+    where
+        F: Fn(&Record) -> Option<PublishError> + Send + Sync + 'static,
+    {
+        let recorder = self.clone();
+        let fail = Arc::new(fail);
+        publisher_fn(move |record| {
+            let recorder = recorder.clone();
+            let fail = fail.clone();
+            async move {
+                match fail(&record) {
+                    Some(err) => Err(err),
+                    None => recorder.publish(&record).await,
+                }
+            }
+        })
+    }
 }
 
 impl Publisher for Recorder {
@@ -629,21 +649,14 @@ async fn each_aggregate_is_published_in_order_despite_a_failed_head() {
         }
     }
     let recorder = Recorder::default();
-    let failed_once = Arc::new(AtomicUsize::new(0));
-    let inner = recorder.clone();
+    let failed_once = AtomicUsize::new(0);
     let relay = f
         .outbox
         .relay(
             f.pool.clone(),
-            publisher_fn(move |record| {
-                let inner = inner.clone();
-                let failed_once = failed_once.clone();
-                async move {
-                    if record.key == "b-0" && failed_once.fetch_add(1, Ordering::SeqCst) == 0 {
-                        return Err(PublishError::transient("first try fails"));
-                    }
-                    inner.publish(&record).await
-                }
+            recorder.failing(move |record| {
+                (record.key == "b-0" && failed_once.fetch_add(1, Ordering::SeqCst) == 0)
+                    .then(|| PublishError::transient("first try fails"))
             }),
         )
         .concurrency(8)
@@ -700,20 +713,12 @@ async fn a_dead_head_stops_blocking_its_aggregate() {
             .await;
     }
     let recorder = Recorder::default();
-    let inner = recorder.clone();
     let relay = f
         .outbox
         .relay(
             f.pool.clone(),
-            publisher_fn(move |record| {
-                let inner = inner.clone();
-                async move {
-                    if record.key == "a1" {
-                        return Err(PublishError::permanent("poison"));
-                    }
-                    inner.publish(&record).await
-                }
-            }),
+            recorder
+                .failing(|record| (record.key == "a1").then(|| PublishError::permanent("poison"))),
         )
         .build()
         .unwrap();
@@ -999,21 +1004,15 @@ async fn concurrent_relays_with_failures_keep_every_aggregate_in_order() {
     let calls = Arc::new(AtomicUsize::new(0));
     let mut relays = Vec::new();
     for _ in 0..3 {
-        let inner = recorder.clone();
         let calls = calls.clone();
         let relay = f
             .outbox
             .relay(
                 common::pool(3).await,
-                publisher_fn(move |record| {
-                    let inner = inner.clone();
+                recorder.failing(move |record| {
                     let n = calls.fetch_add(1, Ordering::SeqCst);
-                    async move {
-                        if record.attempt == 1 && n.is_multiple_of(5) {
-                            return Err(PublishError::transient("flaky broker"));
-                        }
-                        inner.publish(&record).await
-                    }
+                    (record.attempt == 1 && n.is_multiple_of(5))
+                        .then(|| PublishError::transient("flaky broker"))
                 }),
             )
             .batch_size(16)
@@ -1053,21 +1052,13 @@ async fn a_failed_run_member_releases_its_successors_untried() {
         .await;
     }
     let recorder = Recorder::default();
-    let inner = recorder.clone();
     let metrics = CountingMetrics::default();
     let relay = f
         .outbox
         .relay(
             f.pool.clone(),
-            publisher_fn(move |record| {
-                let inner = inner.clone();
-                async move {
-                    if record.key == "r1" {
-                        return Err(PublishError::transient("fails"));
-                    }
-                    inner.publish(&record).await
-                }
-            }),
+            recorder
+                .failing(|record| (record.key == "r1").then(|| PublishError::transient("fails"))),
         )
         .metrics(metrics.clone())
         .build()

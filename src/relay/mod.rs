@@ -367,11 +367,8 @@ impl<P: Publisher> Relay<P> {
                         }
                         claim_more = true;
                     }
-                    slot = slots.clone().acquire_owned(), if ready.is_some() => {
-                        let slot = slot.expect("the semaphore is never closed");
-                        let batch = ready.take().expect("checked above");
-                        self.start(&mut in_flight, batch, Some(slot), &stop);
-                    }
+                    // A slot is free: the waiting batch starts at the top of the loop.
+                    _ = slots.acquire(), if ready.is_some() => {}
                     () = tokio::time::sleep(busy_poll), if ready.is_none() => claim_more = true,
                     () = until_stopped(&mut stopped) => break Ok(()),
                 }
