@@ -72,6 +72,57 @@ impl Outbox {
         self.enqueue_outcome(rows, keys)
     }
 
+    /// [`Outbox::enqueue`] on a shared reference to the connection, so that it can be
+    /// pipelined with your own statements: the futures, polled together (say by
+    /// `futures::try_join!`), send their statements at once and wait for the server once,
+    /// which saves the enqueue's round trip.
+    ///
+    /// ```no_run
+    /// use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+    /// use diesel_outbox::{Error, Message, Outbox};
+    ///
+    /// # async fn run(conn: &mut AsyncPgConnection, outbox: &Outbox) -> Result<(), Error> {
+    /// let key = conn
+    ///     .transaction(async |c| {
+    ///         let c: &AsyncPgConnection = c;
+    ///         let insert = diesel::sql_query("INSERT INTO orders (id) VALUES (42)");
+    ///         let msg = Message::new("order.created", r#"{"id":42}"#);
+    ///         let (_, key) = tokio::try_join!(
+    ///             async { Ok::<_, Error>(insert.execute(&mut &*c).await?) },
+    ///             outbox.enqueue_pipelined(c, msg),
+    ///         )?;
+    ///         Ok::<_, Error>(key)
+    ///     })
+    ///     .await?;
+    /// # let _ = key; Ok(()) }
+    /// ```
+    ///
+    /// The statements still run one after another in your transaction, and commit or roll
+    /// back together; a failure of any of them fails the transaction. The order they run
+    /// in is not fixed (a statement that must first be prepared is sent later), so
+    /// pipeline only statements that do not depend on each other. When one fails,
+    /// `try_join!` drops the others, whose statements may already be on their way: let the
+    /// error roll the transaction back rather than carry on in it.
+    ///
+    /// # Errors
+    /// As [`Outbox::enqueue`].
+    pub async fn enqueue_pipelined(
+        &self,
+        conn: &AsyncPgConnection,
+        msg: Message,
+    ) -> Result<String> {
+        let (query, keys) = self
+            .enqueue_query(vec![msg])?
+            .expect("one message gives one statement");
+        let mut conn = conn;
+        let rows = query
+            .load::<EnqueuedRow>(&mut conn)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        let mut keys = self.enqueue_outcome(rows, keys)?;
+        Ok(keys.pop().expect("one message gives one key"))
+    }
+
     /// Records that `consumer` has processed `key`, in the consumer's own transaction.
     /// Returns `true` the first time, `false` for a duplicate delivery. A rollback removes
     /// the record, so a failed attempt is processed again on redelivery.

@@ -179,6 +179,56 @@ async fn rolled_back_transaction_leaves_no_row() {
 }
 
 #[tokio::test]
+async fn a_pipelined_enqueue_commits_and_rolls_back_with_the_business_statement() {
+    let schema = TestSchema::new().await;
+    let (mut conn, outbox) = migrated(&schema).await;
+    conn.batch_execute("CREATE TABLE orders (id bigint PRIMARY KEY)")
+        .await
+        .unwrap();
+    let order =
+        |id: i64| diesel::sql_query("INSERT INTO orders (id) VALUES ($1)").bind::<BigInt, _>(id);
+    let pipelined = async |conn: &mut AsyncPgConnection, id: i64, key: &str| {
+        conn.transaction(async |c| {
+            let c: &AsyncPgConnection = c;
+            let (_, key) = tokio::try_join!(
+                async { Ok::<_, Error>(order(id).execute(&mut &*c).await?) },
+                outbox.enqueue_pipelined(c, Message::new("t", key).key(key)),
+            )?;
+            Ok::<_, Error>(key)
+        })
+        .await
+    };
+
+    assert_eq!(pipelined(&mut conn, 1, "kept").await.unwrap(), "kept");
+    // The order's id is taken: the insert fails, and the enqueue goes with it.
+    let err = pipelined(&mut conn, 1, "ghost").await.unwrap_err();
+    assert!(matches!(err, Error::Database(_)), "{err:?}");
+    // A duplicate key fails the enqueue, and the order goes with it.
+    let err = pipelined(&mut conn, 2, "kept").await.unwrap_err();
+    assert!(err.is_duplicate_key(), "{err:?}");
+
+    let keys: Vec<String> = rows(&mut conn, "outbox")
+        .await
+        .into_iter()
+        .map(|r| r.idempotency_key)
+        .collect();
+    assert_eq!(keys, ["kept"]);
+    #[derive(QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+    }
+    let orders: Vec<i64> = diesel::sql_query("SELECT id FROM orders ORDER BY id")
+        .load::<Id>(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(orders, [1]);
+}
+
+#[tokio::test]
 async fn enqueue_many_is_one_round_trip_and_reports_duplicates() {
     let schema = TestSchema::new().await;
     let (mut conn, outbox) = migrated(&schema).await;
