@@ -74,7 +74,7 @@ impl Outbox {
 
     /// [`Outbox::enqueue`] on a shared reference to the connection, so that it can be
     /// pipelined with your own statements: the futures, polled together (say by
-    /// `futures::try_join!`), send their statements at once and wait for the server once,
+    /// `tokio::try_join!`), send their statements at once and wait for the server once,
     /// which saves the enqueue's round trip.
     ///
     /// ```no_run
