@@ -216,9 +216,11 @@ struct Inner<P> {
 /// Claimed batches publishing at once.
 const PIPELINE: usize = 3;
 /// While batches are in flight, the relay looks for new work this often, and half as often
-/// after each look that found nothing (at most 16 times less often, and never less often
-/// than the poll interval).
-const BUSY_POLL: Duration = Duration::from_millis(10);
+/// after each look that found nothing, down to once per [`BUSY_POLL_MAX`] (and never less
+/// often than the poll interval).
+const BUSY_POLL: Duration = Duration::from_millis(1);
+/// The longest wait between looks for new work while batches are in flight.
+const BUSY_POLL_MAX: Duration = Duration::from_millis(160);
 /// After work, the relay keeps looking for this long before it calls itself idle.
 const LINGER: Duration = Duration::from_millis(50);
 /// How often it looks while lingering.
@@ -358,7 +360,8 @@ impl<P: Publisher> Relay<P> {
                 // for new work now and then, so a slow batch does not hold up fresh messages.
                 // A finished batch may have unblocked its aggregates' successors: look again
                 // at once.
-                let busy_poll = (BUSY_POLL * 2u32.saturating_pow(fruitless.min(4)))
+                let busy_poll = (BUSY_POLL * 2u32.saturating_pow(fruitless.min(8)))
+                    .min(BUSY_POLL_MAX)
                     .min(inner.options.poll_interval);
                 tokio::select! {
                     done = in_flight.join_next(), if !in_flight.is_empty() => {
