@@ -688,7 +688,7 @@ async fn enqueue_cost(env: &mut Env) -> BoxResult<Vec<Figure>> {
     };
     let message = || Message::new("order.created", vec![b'x'; KIB]);
     // What the transaction holds besides the business insert.
-    #[derive(Clone, Copy, PartialEq)]
+    #[derive(Clone, Copy)]
     enum Extra {
         Nothing,
         Enqueue,

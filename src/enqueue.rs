@@ -41,8 +41,7 @@ impl Outbox {
     /// - [`Error::NotMigrated`] when the table does not exist (that one does abort an open
     ///   transaction, as every SQL error does).
     pub async fn enqueue(&self, conn: &mut AsyncPgConnection, msg: Message) -> Result<String> {
-        let mut keys = self.enqueue_many(conn, vec![msg]).await?;
-        Ok(keys.pop().expect("one message gives one key"))
+        self.enqueue_pipelined(conn, msg).await
     }
 
     /// Writes all `msgs` with one statement (one round trip) and returns their keys in
@@ -62,14 +61,7 @@ impl Outbox {
         conn: &mut AsyncPgConnection,
         msgs: Vec<Message>,
     ) -> Result<Vec<String>> {
-        let Some((query, keys)) = self.enqueue_query(msgs)? else {
-            return Ok(Vec::new());
-        };
-        let rows = query
-            .load::<EnqueuedRow>(conn)
-            .await
-            .map_err(|e| self.db_error(e))?;
-        self.enqueue_outcome(rows, keys)
+        self.insert_messages(conn, msgs).await
     }
 
     /// [`Outbox::enqueue`] on a shared reference to the connection, so that it can be
@@ -111,16 +103,25 @@ impl Outbox {
         conn: &AsyncPgConnection,
         msg: Message,
     ) -> Result<String> {
-        let (query, keys) = self
-            .enqueue_query(vec![msg])?
-            .expect("one message gives one statement");
-        let mut conn = conn;
+        let mut keys = self.insert_messages(conn, vec![msg]).await?;
+        Ok(keys.pop().expect("one message gives one key"))
+    }
+
+    /// The one statement behind every async enqueue. A shared reference is all it needs,
+    /// which is what lets [`Outbox::enqueue_pipelined`] share the connection.
+    async fn insert_messages(
+        &self,
+        mut conn: &AsyncPgConnection,
+        msgs: Vec<Message>,
+    ) -> Result<Vec<String>> {
+        let Some((query, keys)) = self.enqueue_query(msgs)? else {
+            return Ok(Vec::new());
+        };
         let rows = query
             .load::<EnqueuedRow>(&mut conn)
             .await
             .map_err(|e| self.db_error(e))?;
-        let mut keys = self.enqueue_outcome(rows, keys)?;
-        Ok(keys.pop().expect("one message gives one key"))
+        self.enqueue_outcome(rows, keys)
     }
 
     /// Records that `consumer` has processed `key`, in the consumer's own transaction.
