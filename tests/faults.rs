@@ -739,33 +739,34 @@ async fn consume(
     running: Arc<AtomicBool>,
 ) {
     let mut conn = common::connect().await;
+    // No broker step may hang the consumer: during a restart the broker can accept a socket
+    // and never answer, and a connection can die without the stream saying so.
+    let bounded = Duration::from_secs(5);
     while AtomicBool::load(&running, Ordering::SeqCst) {
-        let Ok(amqp) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await
-        else {
+        let subscribe = async {
+            let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+            let channel = amqp.create_channel().await?;
+            channel.basic_qos(200, BasicQosOptions::default()).await?;
+            let consumer = channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    common::unique("consumer").as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok::<_, lapin::Error>((amqp, consumer))
+        };
+        let Ok(Ok((amqp, mut consumer))) = tokio::time::timeout(bounded, subscribe).await else {
             tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        };
-        let Ok(channel) = amqp.create_channel().await else {
-            continue;
-        };
-        let _ = channel.basic_qos(200, BasicQosOptions::default()).await;
-        let Ok(mut consumer) = channel
-            .basic_consume(
-                queue.as_str().into(),
-                common::unique("consumer").as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-        else {
             continue;
         };
         while AtomicBool::load(&running, Ordering::SeqCst) {
             let next = tokio::time::timeout(Duration::from_millis(200), consumer.next()).await;
             let delivery = match next {
-                Err(_) => continue,
+                Err(_) if amqp.status().connected() => continue,
                 Ok(Some(Ok(delivery))) => delivery,
-                Ok(_) => break, // the connection died: reconnect
+                _ => break, // the connection died: reconnect
             };
             let key = message_id(&delivery);
             let body: serde_json::Value =
@@ -796,19 +797,24 @@ async fn consume(
                     Ok::<_, Error>(())
                 })
                 .await;
-            let _ = match effect {
-                Ok(()) => delivery.ack(BasicAckOptions::default()).await,
-                Err(_) => {
-                    delivery
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..Default::default()
-                        })
-                        .await
+            let settle = async {
+                match effect {
+                    Ok(()) => delivery.ack(BasicAckOptions::default()).await,
+                    Err(_) => {
+                        delivery
+                            .nack(BasicNackOptions {
+                                requeue: true,
+                                ..Default::default()
+                            })
+                            .await
+                    }
                 }
             };
+            if !matches!(tokio::time::timeout(bounded, settle).await, Ok(Ok(_))) {
+                break;
+            }
         }
-        let _ = amqp.close(200, "consumer done".into()).await;
+        let _ = tokio::time::timeout(bounded, amqp.close(200, "consumer done".into())).await;
     }
 }
 
