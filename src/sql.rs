@@ -42,6 +42,10 @@ pub(crate) const OUTCOME_RETRY: &str = "retry";
 pub(crate) const OUTCOME_DEAD: &str = "dead";
 pub(crate) const OUTCOME_RELEASE: &str = "release";
 
+/// A claim reads at least this many successors of an aggregate head, to see whether another
+/// relay holds leases further down that aggregate.
+pub(crate) const CHECK_WINDOW: usize = 8;
+
 /// Beyond this many sent rows `stats` reports the planner's estimate instead of counting.
 pub(crate) const SENT_EXACT_LIMIT: i64 = 100_000;
 
@@ -242,18 +246,35 @@ impl Statements {
                  (SELECT consumer, idempotency_key FROM doomed)"
             )),
 
-            // $1 batch size, $2 lease (µs), $3 max attempts, $4 longest run. Claims heads
-            // (rows with no older pending row in their aggregate) and, behind each head on
-            // its first attempt, the run of its due successors: the relay publishes such a
-            // run one message at a time. Only the relay holding a head's lock gets its run,
-            // so no two relays ever hold rows of one aggregate. Heads are charged an attempt;
-            // run members are charged when they are published (their outcome says so), so a
-            // crash mid-run costs only the head, and the head's next claim comes without a
-            // run. A head claimed again after it has used up its attempts without an
-            // outcome (a crash loop) goes dead here.
+            // $1 batch size, $2 lease (µs), $3 max attempts, $4 longest run, $5 byte budget.
+            //
+            // Heads are pending rows with no older pending row in their aggregate. Behind
+            // each aggregate head on its first attempt the claim also takes the run of its
+            // due successors; the relay publishes such a run one message at a time. The
+            // batch's room after the heads is shared out equally among the heads that may
+            // take a run, so the rows read stay proportional to the batch, not to the
+            // backlog of each aggregate.
+            //
+            // Another relay may hold (or be taking) leases on later rows of a head's
+            // aggregate: after a redrive or a late commit put a row in front of rows already
+            // in flight. So each head's next successors (its run, and at least 8) are read,
+            // the run's members locked with SKIP LOCKED and checked again, and a head whose
+            // window shows a live lease or a row someone else has locked is left alone:
+            // no two relays ever hold live leases on rows of one aggregate. A run is cut at
+            // its first member that is not available.
+            //
+            // Heads are charged an attempt; run members are charged when published (their
+            // outcome says so), so a crash mid-run costs only the head, and the head's next
+            // claim comes without a run. A head claimed again after it has used up its
+            // attempts without an outcome (a crash loop) goes dead here. Rows are cut, in id
+            // order, at the byte budget (always at least one row); each run keeps a prefix.
+            //
+            // Nothing in a row's content can make this statement fail: counters saturate,
+            // headers come back as text and the enqueue time only when chrono can hold it,
+            // so an undecodable row dies alone in the relay (see `store::decode`).
             claim: Statement::new(format!(
                 "WITH heads AS MATERIALIZED (\n\
-                 \x20   SELECT id, aggregate_key, attempts FROM {t} o\n\
+                 \x20   SELECT id, aggregate_key, attempts, {bytes} AS bytes FROM {t} o\n\
                  \x20   WHERE status = 'pending' AND available_at <= now()\n\
                  \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
                  \x20     AND (aggregate_key IS NULL OR NOT EXISTS (\n\
@@ -261,40 +282,68 @@ impl Statements {
                  \x20         AND p.aggregate_key = o.aggregate_key AND p.id < o.id))\n\
                  \x20   ORDER BY id LIMIT $1\n\
                  \x20   FOR UPDATE SKIP LOCKED\n\
-                 ), runs AS MATERIALIZED (\n\
-                 \x20   SELECT r.id FROM heads h CROSS JOIN LATERAL (\n\
-                 \x20       SELECT n.id, bool_and(n.ready) OVER (ORDER BY n.id) AS unbroken FROM (\n\
-                 \x20           SELECT s.id, s.available_at <= now() \
-                 AND (s.lease_until IS NULL OR s.lease_until <= now()) AS ready\n\
-                 \x20           FROM {t} s WHERE s.status = 'pending'\n\
-                 \x20           AND s.aggregate_key = h.aggregate_key AND s.id > h.id\n\
-                 \x20           ORDER BY s.id LIMIT $4\n\
-                 \x20       ) AS n\n\
-                 \x20   ) AS r\n\
-                 \x20   WHERE h.aggregate_key IS NOT NULL AND h.attempts = 0 AND r.unbroken\n\
+                 ), share AS MATERIALIZED (\n\
+                 \x20   SELECT least($4, ($1 - count(*)) / greatest(count(*) FILTER \
+                 (WHERE aggregate_key IS NOT NULL AND attempts = 0), 1)) AS per_run FROM heads\n\
+                 ), succ AS MATERIALIZED (\n\
+                 \x20   SELECT h.id AS head, n.id, n.pos, n.ready, n.leased, n.bytes,\n\
+                 \x20          h.attempts = 0 AND n.pos <= (SELECT per_run FROM share) AS in_run\n\
+                 \x20   FROM heads h CROSS JOIN LATERAL (\n\
+                 \x20       SELECT s.id, row_number() OVER (ORDER BY s.id) AS pos,\n\
+                 \x20              s.available_at <= now() \
+                 AND (s.lease_until IS NULL OR s.lease_until <= now()) AS ready,\n\
+                 \x20              coalesce(s.lease_until > now(), false) AS leased,\n\
+                 \x20              {s_bytes} AS bytes\n\
+                 \x20       FROM {t} s WHERE s.status = 'pending'\n\
+                 \x20       AND s.aggregate_key = h.aggregate_key AND s.id > h.id\n\
+                 \x20       ORDER BY s.id LIMIT greatest((SELECT per_run FROM share), {CHECK_WINDOW} - 1) + 1\n\
+                 \x20   ) AS n\n\
+                 \x20   WHERE h.aggregate_key IS NOT NULL\n\
+                 ), locked AS MATERIALIZED (\n\
+                 \x20   SELECT id FROM {t}\n\
+                 \x20   WHERE id = ANY (ARRAY(SELECT id FROM succ WHERE in_run AND ready))\n\
+                 \x20     AND status = 'pending' AND available_at <= now()\n\
+                 \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
+                 \x20   FOR UPDATE SKIP LOCKED\n\
+                 ), cut AS MATERIALIZED (\n\
+                 \x20   SELECT s.head,\n\
+                 \x20          min(s.pos) FILTER (WHERE NOT (s.in_run AND s.ready AND l.id IS NOT NULL)) AS stop,\n\
+                 \x20          bool_or(s.leased OR (s.in_run AND s.ready AND l.id IS NULL)) AS held\n\
+                 \x20   FROM succ s LEFT JOIN locked l ON l.id = s.id\n\
+                 \x20   GROUP BY s.head\n\
+                 ), chosen AS (\n\
+                 \x20   SELECT h.id, true AS head, h.bytes FROM heads h LEFT JOIN cut c ON c.head = h.id\n\
+                 \x20   WHERE c.held IS NOT TRUE\n\
+                 \x20   UNION ALL\n\
+                 \x20   SELECT s.id, false, s.bytes FROM succ s JOIN cut c ON c.head = s.head\n\
+                 \x20   WHERE NOT c.held AND s.in_run AND (c.stop IS NULL OR s.pos < c.stop)\n\
                  ), due AS MATERIALIZED (\n\
                  \x20   SELECT array_agg(id) AS ids, \
                  coalesce(array_agg(id) FILTER (WHERE NOT head), '{{}}') AS runs FROM (\n\
-                 \x20       SELECT id, head FROM (\n\
-                 \x20           SELECT id, true AS head FROM heads UNION ALL SELECT id, false FROM runs\n\
-                 \x20       ) AS a ORDER BY id LIMIT $1\n\
-                 \x20   ) AS b\n\
+                 \x20       SELECT id, head, sum(bytes) OVER (ORDER BY id) AS total, \
+                 row_number() OVER (ORDER BY id) AS n FROM chosen\n\
+                 \x20   ) AS b WHERE n = 1 OR total <= $5\n\
                  )\n\
                  UPDATE {t} t SET\n\
-                 \x20   attempts = CASE WHEN t.id = ANY((SELECT runs FROM due)::bigint[]) THEN t.attempts ELSE t.attempts + 1 END,\n\
-                 \x20   fencing_token = t.fencing_token + 1,\n\
+                 \x20   attempts = CASE WHEN {run_member} THEN t.attempts ELSE {next_attempt} END,\n\
+                 \x20   fencing_token = least(t.fencing_token, 9223372036854775806) + 1,\n\
                  \x20   lease_until = CASE WHEN {crash_loop} THEN NULL \
                  ELSE now() + $2 * interval '1 microsecond' END,\n\
                  \x20   status = CASE WHEN {crash_loop} THEN 'dead' ELSE 'pending' END,\n\
                  \x20   dead_at = CASE WHEN {crash_loop} THEN now() END,\n\
                  \x20   last_error = CASE WHEN {crash_loop} \
-                 THEN 'claimed ' || (t.attempts + 1) || ' times without an outcome \
+                 THEN 'claimed ' || ({next_attempt}) || ' times without an outcome \
                  (relay crashed or lease expired); max_attempts is ' || $3 \
                  ELSE t.last_error END\n\
                  WHERE t.id = ANY((SELECT ids FROM due)::bigint[]) AND t.status = 'pending'\n\
                  RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, \
-                 t.content_type, t.headers, t.attempts, t.fencing_token, t.created_at, t.status, \
-                 NOT t.id = ANY((SELECT runs FROM due)::bigint[]) AS head",
+                 t.content_type, t.headers::text AS headers, t.attempts, t.fencing_token, \
+                 CASE WHEN t.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' \
+                 THEN t.created_at END AS created_at, t.status, NOT {run_member} AS head",
+                bytes = "octet_length(payload) + pg_column_size(headers)",
+                s_bytes = "octet_length(s.payload) + pg_column_size(s.headers)",
+                run_member = "t.id = ANY((SELECT runs FROM due)::bigint[])",
+                next_attempt = "least(t.attempts, 2147483646) + 1",
                 crash_loop =
                     "t.attempts >= $3 AND NOT t.id = ANY((SELECT runs FROM due)::bigint[])",
             )),

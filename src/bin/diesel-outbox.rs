@@ -124,6 +124,9 @@ struct RelayArgs {
     /// Broker confirm timeout per batch.
     #[arg(long, default_value = "10s", value_parser = parse_duration, allow_hyphen_values = true)]
     confirm_timeout: Duration,
+    /// The most payload and header bytes one claim takes (at least one row).
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    max_batch_bytes: usize,
     /// Database connections in the relay's pool (plus one for LISTEN).
     #[arg(long, default_value_t = 4)]
     pool_size: u32,
@@ -440,6 +443,7 @@ async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(
         .max_attempts(args.max_attempts)
         .backoff(args.backoff_min, args.backoff_max)
         .drain_timeout(args.drain_timeout)
+        .max_batch_bytes(args.max_batch_bytes)
         .retention(args.retention.0)
         .inbox_retention(args.inbox_retention.0);
     if args.without_notify {

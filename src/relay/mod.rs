@@ -152,6 +152,14 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
+    /// The most payload and header bytes one claim takes (1 byte to 1 GiB), so a relay's
+    /// memory stays bounded whatever the message sizes; a claim always takes at least one
+    /// row, however large. Defaults to 16 MiB.
+    pub fn max_batch_bytes(mut self, bytes: usize) -> Self {
+        self.options.max_batch_bytes = bytes;
+        self
+    }
+
     /// Checks the options and builds the relay.
     ///
     /// # Errors
@@ -540,12 +548,11 @@ impl<P: Publisher> Relay<P> {
     /// Claims up to `batch_size` due rows.
     async fn claim(&self) -> Result<Batch> {
         let inner = &self.inner;
-        let o = &inner.options;
         let started = Instant::now();
         let mut conn = inner.pool.get().await?;
         let batch = inner
             .outbox
-            .claim(&mut conn, o.batch_size, o.lease, o.max_attempts)
+            .claim(&mut conn, &inner.options.claim_limits())
             .await?;
         let claimed = batch.claimed();
         if claimed > 0 {

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::store::ClaimLimits;
 use crate::error::{Error, Result};
 
 /// Relay settings; every field is set through [`RelayBuilder`](super::RelayBuilder).
@@ -18,10 +19,13 @@ pub(crate) struct Options {
     pub(crate) listen: bool,
     pub(crate) retention: Option<Duration>,
     pub(crate) inbox_retention: Option<Duration>,
+    pub(crate) max_batch_bytes: usize,
 }
 
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 pub(crate) const DEFAULT_INBOX_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+/// The default byte budget of one claim: 16 MiB.
+pub(crate) const DEFAULT_MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
 
 impl Default for Options {
     fn default() -> Self {
@@ -37,6 +41,7 @@ impl Default for Options {
             listen: true,
             retention: Some(DEFAULT_RETENTION),
             inbox_retention: Some(DEFAULT_INBOX_RETENTION),
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
         }
     }
 }
@@ -88,6 +93,12 @@ impl Options {
                 self.drain_timeout
             ));
         }
+        if !(1..=1 << 30).contains(&self.max_batch_bytes) {
+            return bad(format!(
+                "max_batch_bytes {} must be 1..=1073741824",
+                self.max_batch_bytes
+            ));
+        }
         for (name, value) in [
             ("retention", self.retention),
             ("inbox_retention", self.inbox_retention),
@@ -101,6 +112,16 @@ impl Options {
             }
         }
         Ok(())
+    }
+
+    /// What bounds each claim.
+    pub(crate) fn claim_limits(&self) -> ClaimLimits {
+        ClaimLimits {
+            batch_size: self.batch_size,
+            lease: self.lease,
+            max_attempts: self.max_attempts,
+            max_batch_bytes: self.max_batch_bytes,
+        }
     }
 
     /// Delay before attempt `attempt + 1`: exponential from `backoff_min`, capped at

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use diesel::QueryResult;
 use diesel::QueryableByName;
 use diesel::pg::Pg;
-use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use tokio::time::Instant;
 
@@ -37,14 +37,17 @@ struct ClaimRow {
     payload: Vec<u8>,
     #[diesel(sql_type = Nullable<Text>)]
     content_type: Option<String>,
-    #[diesel(sql_type = Jsonb)]
-    headers: serde_json::Value,
+    /// As text: a jsonb value serde cannot hold (`1e400`, deep nesting) must fail this row
+    /// alone, not the whole claim.
+    #[diesel(sql_type = Text)]
+    headers: String,
     #[diesel(sql_type = Integer)]
     attempts: i32,
     #[diesel(sql_type = BigInt)]
     fencing_token: i64,
-    #[diesel(sql_type = Timestamptz)]
-    created_at: DateTime<Utc>,
+    /// `NULL` when chrono cannot hold it (`infinity`, or beyond the year 9999).
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    created_at: Option<DateTime<Utc>>,
     #[diesel(sql_type = Text)]
     status: String,
     #[diesel(sql_type = Bool)]
@@ -56,6 +59,15 @@ struct OutcomeRow {
     #[diesel(sql_type = BigInt)]
     #[allow(dead_code)] // returned to count the rows that were updated
     id: i64,
+}
+
+/// What bounds one claim.
+#[derive(Debug, Clone)]
+pub(crate) struct ClaimLimits {
+    pub(crate) batch_size: usize,
+    pub(crate) lease: Duration,
+    pub(crate) max_attempts: u32,
+    pub(crate) max_batch_bytes: usize,
 }
 
 /// A claimed record with the fencing token its outcome must carry.
@@ -148,19 +160,18 @@ impl Outbox {
     pub(crate) async fn claim(
         &self,
         conn: &mut AsyncPgConnection,
-        batch_size: usize,
-        lease: Duration,
-        max_attempts: u32,
+        limits: &ClaimLimits,
     ) -> Result<Batch> {
         let claimed_at = Instant::now();
         let rows = self
             .statements()
             .claim
             .query()
-            .bind::<BigInt, _>(i64::try_from(batch_size).unwrap_or(i64::MAX))
-            .bind::<BigInt, _>(micros(lease))
-            .bind::<Integer, _>(i32::try_from(max_attempts).unwrap_or(i32::MAX))
-            .bind::<BigInt, _>(i64::try_from(batch_size.min(MAX_RUN)).unwrap_or(1));
+            .bind::<BigInt, _>(i64::try_from(limits.batch_size).unwrap_or(i64::MAX))
+            .bind::<BigInt, _>(micros(limits.lease))
+            .bind::<Integer, _>(i32::try_from(limits.max_attempts).unwrap_or(i32::MAX))
+            .bind::<BigInt, _>(i64::try_from(limits.batch_size.min(MAX_RUN)).unwrap_or(1))
+            .bind::<BigInt, _>(i64::try_from(limits.max_batch_bytes).unwrap_or(i64::MAX));
         let rows: Vec<ClaimRow> = planned(conn, CLAIM_PLAN, rows)
             .await
             .map_err(|e| self.db_error(e))?;
@@ -171,9 +182,9 @@ impl Outbox {
             undecodable: Vec::new(),
         };
         for row in rows {
-            let headers = decode_headers(&row.headers);
-            let status_dead = row.status == "dead";
             let token = row.fencing_token;
+            let status_dead = row.status == "dead";
+            let decoded = decode(&row);
             let record = Record {
                 id: row.id,
                 key: row.key,
@@ -181,18 +192,25 @@ impl Outbox {
                 aggregate_key: row.aggregate_key,
                 payload: row.payload,
                 content_type: row.content_type,
-                headers: headers.clone().unwrap_or_default(),
+                headers: BTreeMap::new(),
                 // A head was charged by the claim; a run member is charged when published.
                 attempt: u32::try_from(row.attempts).unwrap_or(0) + u32::from(!row.head),
-                created_at: row.created_at,
+                created_at: DateTime::UNIX_EPOCH,
             };
-            if status_dead {
-                batch.crash_looped.push(record);
-            } else if let Err(why) = headers {
-                let outcome = Outcome::dead(&record, token, &why);
-                batch.undecodable.push((record, outcome));
-            } else {
-                batch.ready.push(Claimed { record, token });
+            match decoded {
+                _ if status_dead => batch.crash_looped.push(record),
+                Err(why) => {
+                    let outcome = Outcome::dead(&record, token, &why);
+                    batch.undecodable.push((record, outcome));
+                }
+                Ok((headers, created_at)) => batch.ready.push(Claimed {
+                    record: Record {
+                        headers,
+                        created_at,
+                        ..record
+                    },
+                    token,
+                }),
             }
         }
         batch.ready.sort_by_key(|c| c.record.id);
@@ -321,15 +339,22 @@ where
     .await
 }
 
-fn decode_headers(
-    value: &serde_json::Value,
-) -> std::result::Result<BTreeMap<String, String>, String> {
-    let serde_json::Value::Object(map) = value else {
-        return Err("undecodable row: headers are not a JSON object".to_owned());
-    };
-    map.iter()
+/// The columns of a claimed row that rows written by other means can spoil.
+fn decode(
+    row: &ClaimRow,
+) -> std::result::Result<(BTreeMap<String, String>, DateTime<Utc>), String> {
+    let created_at = row.created_at.ok_or_else(|| {
+        "undecodable row: created_at is not a time between the years 1 and 9999".to_owned()
+    })?;
+    Ok((decode_headers(&row.headers)?, created_at))
+}
+
+fn decode_headers(text: &str) -> std::result::Result<BTreeMap<String, String>, String> {
+    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_str(text)
+        .map_err(|e| format!("undecodable row: headers are not a JSON object of strings ({e})"))?;
+    map.into_iter()
         .map(|(k, v)| match v {
-            serde_json::Value::String(s) => Ok((k.clone(), s.clone())),
+            serde_json::Value::String(s) => Ok((k, s)),
             _ => Err(format!("undecodable row: header {k:?} is not a string")),
         })
         .collect()
@@ -369,9 +394,20 @@ mod tests {
     }
 
     #[test]
-    fn headers_must_be_a_string_map() {
-        assert!(decode_headers(&serde_json::json!({"a": "b"})).is_ok());
-        assert!(decode_headers(&serde_json::json!({"a": 1})).is_err());
-        assert!(decode_headers(&serde_json::json!(["a"])).is_err());
+    fn headers_must_be_a_string_map_serde_can_hold() {
+        assert_eq!(
+            decode_headers(r#"{"a": "b"}"#).unwrap(),
+            BTreeMap::from([("a".to_owned(), "b".to_owned())])
+        );
+        let not_string = decode_headers(r#"{"a": 1}"#).unwrap_err();
+        assert!(
+            not_string.contains(r#"header "a" is not a string"#),
+            "{not_string}"
+        );
+        assert!(decode_headers(r#"["a"]"#).is_err());
+        let huge = decode_headers(r#"{"n": 1e400}"#).unwrap_err();
+        assert!(huge.contains("out of range"), "{huge}");
+        let deep = format!(r#"{{"a": {}{}}}"#, "[".repeat(200), "]".repeat(200));
+        assert!(decode_headers(&deep).unwrap_err().contains("recursion"));
     }
 }
