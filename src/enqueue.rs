@@ -159,9 +159,9 @@ impl Outbox {
         if msgs.is_empty() {
             return Ok(None);
         }
-        let max = self.inner.max_payload_bytes;
+        let limits = self.inner.limits;
         for msg in &msgs {
-            msg.validate(max)?;
+            msg.validate(&limits)?;
         }
         let n = msgs.len();
         let (mut keys, mut topics, mut aggs, mut payloads, mut cts, mut headers, mut delays) = (

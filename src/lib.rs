@@ -129,7 +129,7 @@ mod table;
 pub use crate::admin::{DeadLetter, Stats};
 pub use crate::enqueue::{DedupeExt, EnqueueExt};
 pub use crate::error::{BoxError, Error, Result};
-pub use crate::message::Message;
+pub use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Message};
 pub use crate::metrics::{Metrics, NoMetrics};
 pub use crate::migrate::MIGRATIONS;
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_TABLE, Outbox, OutboxBuilder};

@@ -15,6 +15,8 @@ const DANGEROUS_HEADERS: &[&str] = &["cc", "bcc"];
 pub(crate) const MAX_HEADERS: usize = 64;
 /// AMQP short strings (message id, routing key, header names, content type) end here.
 pub(crate) const MAX_SHORT: usize = 255;
+/// The default limit on a message's headers: 64 KiB of names and values.
+pub const DEFAULT_MAX_HEADERS_BYTES: usize = 64 * 1024;
 /// The longest delay accepted: anything longer is almost certainly a unit mistake.
 pub(crate) const MAX_DELAY: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
@@ -104,8 +106,10 @@ impl Message {
         self
     }
 
-    /// Adds a header (replacing one of the same name). Names starting with `x-outbox-` and
-    /// the names `CC` and `BCC` are rejected at enqueue. Defaults to no headers.
+    /// Adds a header (replacing one of the same name). At enqueue, names starting with
+    /// `x-outbox-` and the names `CC` and `BCC` are rejected, as are more than 64 headers or
+    /// more than `max_headers_bytes` (64 KiB by default) of names and values in all.
+    /// Defaults to no headers.
     pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.insert(name.into(), value.into());
         self
@@ -129,7 +133,8 @@ impl Message {
     }
 
     /// Checks every limit; nothing is written when this fails.
-    pub(crate) fn validate(&self, max_payload_bytes: usize) -> Result<()> {
+    pub(crate) fn validate(&self, limits: &Limits) -> Result<()> {
+        let max_payload_bytes = limits.max_payload_bytes;
         let short = |what: &str, value: &str| -> Result<()> {
             if value.is_empty() {
                 return Err(Error::invalid(format!("{what} is empty")));
@@ -171,6 +176,14 @@ impl Message {
                 self.headers.len()
             )));
         }
+        let header_bytes: usize = self.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        if header_bytes > limits.max_headers_bytes {
+            return Err(Error::invalid(format!(
+                "headers of topic {:?} are {header_bytes} bytes (names and values), the limit \
+                 (max_headers_bytes) is {}",
+                self.topic, limits.max_headers_bytes
+            )));
+        }
         for (name, value) in &self.headers {
             short("header name", name)?;
             let lower = name.to_ascii_lowercase();
@@ -196,6 +209,13 @@ impl Message {
     }
 }
 
+/// The limits enqueue checks, from the [`Outbox`](crate::Outbox) configuration.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub(crate) max_payload_bytes: usize,
+    pub(crate) max_headers_bytes: usize,
+}
+
 fn no_nul(what: &str, value: &str) -> Result<()> {
     if value.contains('\0') {
         return Err(Error::invalid(format!("{what} contains a NUL byte")));
@@ -207,10 +227,13 @@ fn no_nul(what: &str, value: &str) -> Result<()> {
 mod tests {
     use super::*;
 
-    const MAX: usize = 16 * 1024 * 1024;
+    const MAX: Limits = Limits {
+        max_payload_bytes: 16 * 1024 * 1024,
+        max_headers_bytes: DEFAULT_MAX_HEADERS_BYTES,
+    };
 
     fn rejected(msg: Message) -> String {
-        msg.validate(MAX).unwrap_err().to_string()
+        msg.validate(&MAX).unwrap_err().to_string()
     }
 
     #[test]
@@ -218,7 +241,7 @@ mod tests {
         let m = Message::json("t", &serde_json::json!({"a": 1})).unwrap();
         assert_eq!(m.content_type.as_deref(), Some("application/json"));
         assert_eq!(m.payload, br#"{"a":1}"#);
-        m.validate(MAX).unwrap();
+        m.validate(&MAX).unwrap();
     }
 
     #[test]
@@ -230,10 +253,13 @@ mod tests {
         assert!(rejected(Message::new("t\0", "x")).contains("NUL"));
         let big = Message::new("t", vec![0u8; 11]);
         assert!(
-            big.validate(10)
-                .unwrap_err()
-                .to_string()
-                .contains("max_payload_bytes")
+            big.validate(&Limits {
+                max_payload_bytes: 10,
+                ..MAX
+            })
+            .unwrap_err()
+            .to_string()
+            .contains("max_payload_bytes")
         );
         assert!(rejected(Message::new("t", "x").delay(MAX_DELAY * 2)).contains("absurd"));
         let mut many = Message::new("t", "x");
@@ -247,6 +273,17 @@ mod tests {
         );
         assert!(rejected(Message::new("t", "x").header("CC", "a")).contains("CC and BCC"));
         assert!(rejected(Message::new("t", "x").header("bcc", "a")).contains("CC and BCC"));
+        let huge = rejected(Message::new("t", "x").header("h", "x".repeat(300_000)));
+        assert!(huge.contains("max_headers_bytes"), "{huge}");
+        let mut many_small = Message::new("t", "x");
+        for i in 0..40 {
+            many_small = many_small.header(format!("h{i}"), "v".repeat(2_000));
+        }
+        assert!(rejected(many_small).contains("max_headers_bytes"));
+        Message::new("t", "x")
+            .header("h", "x".repeat(60_000))
+            .validate(&MAX)
+            .unwrap();
     }
 
     #[test]

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::{Arc, LazyLock};
 
 use crate::error::Result;
+use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Limits};
 use crate::sql::Statements;
 use crate::table::TableName;
 
@@ -36,7 +37,7 @@ pub(crate) struct Inner {
     pub(crate) table: TableName,
     pub(crate) display: String,
     pub(crate) sql: Statements,
-    pub(crate) max_payload_bytes: usize,
+    pub(crate) limits: Limits,
     pub(crate) notify: bool,
 }
 
@@ -44,7 +45,8 @@ impl fmt::Debug for Outbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Outbox")
             .field("table", &self.inner.display)
-            .field("max_payload_bytes", &self.inner.max_payload_bytes)
+            .field("max_payload_bytes", &self.inner.limits.max_payload_bytes)
+            .field("max_headers_bytes", &self.inner.limits.max_headers_bytes)
             .field("notify", &self.inner.notify)
             .finish()
     }
@@ -80,7 +82,12 @@ impl Outbox {
 
     /// The largest payload accepted by enqueue, in bytes.
     pub fn max_payload_bytes(&self) -> usize {
-        self.inner.max_payload_bytes
+        self.inner.limits.max_payload_bytes
+    }
+
+    /// The most header bytes (names and values) enqueue accepts per message.
+    pub fn max_headers_bytes(&self) -> usize {
+        self.inner.limits.max_headers_bytes
     }
 
     /// Whether enqueue wakes relays with a NOTIFY delivered on commit.
@@ -104,6 +111,7 @@ impl Outbox {
 pub struct OutboxBuilder {
     table: String,
     max_payload_bytes: usize,
+    max_headers_bytes: usize,
     notify: bool,
 }
 
@@ -112,6 +120,7 @@ impl Default for OutboxBuilder {
         OutboxBuilder {
             table: DEFAULT_TABLE.to_owned(),
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            max_headers_bytes: DEFAULT_MAX_HEADERS_BYTES,
             notify: true,
         }
     }
@@ -131,6 +140,14 @@ impl OutboxBuilder {
         self
     }
 
+    /// The most bytes of header names and values enqueue accepts per message (1 byte to
+    /// 1 MiB). Brokers carry headers in one frame (RabbitMQ: 128 KiB by default), so keep
+    /// it well below that. Defaults to 64 KiB.
+    pub fn max_headers_bytes(mut self, bytes: usize) -> Self {
+        self.max_headers_bytes = bytes;
+        self
+    }
+
     /// Enqueue sends no NOTIFY: relays find new messages by polling only (their
     /// `poll_interval`). Use it where the relays cannot LISTEN, or when you would rather have
     /// polling latency than any NOTIFY at all. (Behind a pooler in transaction mode, note
@@ -147,7 +164,8 @@ impl OutboxBuilder {
     /// # Errors
     /// [`Error::InvalidTable`](crate::Error::InvalidTable) for a malformed name or one whose
     /// derived identifiers would exceed 63 bytes;
-    /// [`Error::InvalidMessage`](crate::Error::InvalidMessage) for a zero payload limit.
+    /// [`Error::InvalidMessage`](crate::Error::InvalidMessage) for a zero payload limit or a
+    /// header limit outside 1 byte to 1 MiB.
     pub fn build(self) -> Result<Outbox> {
         let table = TableName::parse(&self.table)?;
         if self.max_payload_bytes == 0 {
@@ -155,12 +173,21 @@ impl OutboxBuilder {
                 "max_payload_bytes must be at least 1",
             ));
         }
+        if !(1..=1 << 20).contains(&self.max_headers_bytes) {
+            return Err(crate::Error::invalid(format!(
+                "max_headers_bytes {} must be 1..=1048576",
+                self.max_headers_bytes
+            )));
+        }
         Ok(Outbox {
             inner: Arc::new(Inner {
                 display: table.display(),
                 sql: Statements::render(&table),
                 table,
-                max_payload_bytes: self.max_payload_bytes,
+                limits: Limits {
+                    max_payload_bytes: self.max_payload_bytes,
+                    max_headers_bytes: self.max_headers_bytes,
+                },
                 notify: self.notify,
             }),
         })

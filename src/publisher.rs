@@ -52,44 +52,78 @@ impl fmt::Debug for Record {
 }
 
 /// Why a publish failed, and whether trying again can help.
+///
+/// Three kinds, which the relay treats differently:
+/// - [`PublishError::transient`]: something about this message failed (a nack, an unroutable
+///   topic, no confirm in time on a healthy connection). It is retried with backoff and
+///   spends one of its `max_attempts`.
+/// - [`PublishError::permanent`]: retrying cannot help (the broker can never take this
+///   message). It becomes a dead letter at once.
+/// - [`PublishError::unavailable`]: the broker could not be reached at all (refused,
+///   unreachable, login failed, the connection lost before the message was written, the
+///   exchange missing, the connection blocked by a resource alarm). Not the message's fault:
+///   it is released without spending an attempt, and the relay backs off as a whole until
+///   the broker answers again. A broker down for an hour dead-letters nothing.
 #[derive(Debug)]
 pub struct PublishError {
-    permanent: bool,
+    kind: Kind,
     source: BoxError,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Transient,
+    Permanent,
+    Unavailable,
 }
 
 impl PublishError {
     /// A failure that may pass: the message is retried with backoff, and becomes a dead
     /// letter once `max_attempts` are used.
     pub fn transient(err: impl Into<BoxError>) -> Self {
-        PublishError {
-            permanent: false,
-            source: err.into(),
-        }
+        Self::new(Kind::Transient, err)
     }
 
     /// A failure that retrying cannot fix: the message becomes a dead letter at once.
     pub fn permanent(err: impl Into<BoxError>) -> Self {
+        Self::new(Kind::Permanent, err)
+    }
+
+    /// The broker could not be reached: the message is released without spending an
+    /// attempt and the relay backs off until the broker answers again. Return it only for
+    /// failures that are not about this message; a message that itself makes the broker
+    /// fail must be [`PublishError::transient`] or [`PublishError::permanent`], or it would
+    /// be retried forever.
+    pub fn unavailable(err: impl Into<BoxError>) -> Self {
+        Self::new(Kind::Unavailable, err)
+    }
+
+    fn new(kind: Kind, err: impl Into<BoxError>) -> Self {
         PublishError {
-            permanent: true,
+            kind,
             source: err.into(),
         }
     }
 
     /// True for [`PublishError::permanent`].
     pub fn is_permanent(&self) -> bool {
-        self.permanent
+        self.kind == Kind::Permanent
+    }
+
+    /// True for [`PublishError::unavailable`].
+    pub fn is_unavailable(&self) -> bool {
+        self.kind == Kind::Unavailable
     }
 }
 
 impl fmt::Display for PublishError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = if self.permanent {
-            "permanent"
-        } else {
-            "transient"
+        let kind = match self.kind {
+            Kind::Transient => "transient publish failure",
+            Kind::Permanent => "permanent publish failure",
+            Kind::Unavailable => "broker unavailable",
         };
-        write!(f, "{kind} publish failure: {}", self.source)?;
+        write!(f, "{kind}: {}", self.source)?;
         let mut source = self.source.source();
         while let Some(inner) = source {
             write!(f, ": {inner}")?;
@@ -150,6 +184,14 @@ pub trait Publisher: Send + Sync + 'static {
         let _ = records;
         None
     }
+
+    /// The longest a publish (or a pipelined batch) of this publisher can take before it
+    /// gives up by itself, if it has such a bound (the RabbitMQ publisher: its confirm
+    /// timeout). The relay checks at `build()` that it fits in half the lease, the time the
+    /// relay itself allows a publish. Defaults to `None`.
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// A [`Publisher`] made from a closure; see [`publisher_fn`].
@@ -199,5 +241,9 @@ impl<P: Publisher> Publisher for std::sync::Arc<P> {
 
     fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
         (**self).publish_batch(records)
+    }
+
+    fn timeout(&self) -> Option<std::time::Duration> {
+        (**self).timeout()
     }
 }

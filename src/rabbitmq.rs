@@ -6,29 +6,48 @@
 //! and, when set, `x-outbox-aggregate-key`. Publisher confirms are always on: a record
 //! counts as published only after the broker's ack. With `mandatory` (the default) an
 //! unroutable message comes back and is a transient failure, so it is retried and finally
-//! dead-lettered, never silently dropped. A nack, a confirm timeout and a lost channel or
+//! dead-lettered, never silently dropped; a returned message is matched by message id
+//! whichever confirm (ack or nack) carries it. A nack and a confirm timeout on a healthy
 //! connection are transient failures too. A claimed batch is pipelined: every record is
-//! published, then every confirm awaited.
+//! published, then every confirm awaited, the whole batch within the confirm timeout.
+//!
+//! The broker being out of reach is not a message's fault: connection refused or lost
+//! before a record was written, a failed login, the exchange missing, or the connection
+//! blocked by a resource alarm are reported as [`PublishError::unavailable`], and the relay
+//! releases such records without spending their attempts.
+//!
+//! Before anything is written, each record is checked against what RabbitMQ itself accepts,
+//! and fails permanently and alone if it breaks a rule: names and values over 255 bytes
+//! where AMQP needs a short string, a `CC` or `BCC` header (RabbitMQ would route on it), or
+//! a header frame larger than the connection's negotiated `frame_max` (the broker would
+//! close the connection, failing every batch on it). Enqueue refuses all of these already;
+//! the check covers rows written by other means.
 //!
 //! The publisher reconnects by itself: after the channel or the connection dies, the next
 //! batch opens new ones (with backoff between failed attempts). URLs and passwords never
 //! appear in its `Debug` output, its errors or its logs. Each batch publishes on a channel
 //! of its own, so a returned message is always matched to its own batch.
 //!
-//! Hazard: lapin itself logs a returned message, payload included, at `warn` level under
-//! the `lapin` target. Filter it out (`lapin=error`, as the `diesel-outbox` binary does)
-//! wherever payloads must not reach the logs.
+//! Hazard: lapin itself logs a returned message, payload included, at `warn` level, and at
+//! `trace` level every frame, the login's password included, under the `lapin` target.
+//! Filter that target (`lapin=error`, as the `diesel-outbox` binary does) wherever payloads
+//! and passwords must not reach the logs.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use futures_util::stream::{self, FuturesUnordered};
+use futures_util::{FutureExt, StreamExt};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ConnectionStatus,
+    ErrorKind,
+};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
@@ -42,6 +61,8 @@ pub const AGGREGATE_HEADER: &str = "x-outbox-aggregate-key";
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(10);
+/// Header names RabbitMQ treats as extra routing keys (sender-selected distribution).
+const ROUTING_HEADERS: &[&str] = &["cc", "bcc"];
 
 /// Publishes records to a RabbitMQ exchange with publisher confirms; see the
 /// [module docs](self).
@@ -90,6 +111,13 @@ struct Link {
     retry_at: Option<Instant>,
 }
 
+/// A confirm channel lent to one batch, with what it needs to know of its connection.
+struct Lent {
+    channel: Channel,
+    status: ConnectionStatus,
+    frame_max: u32,
+}
+
 /// Configures a [`RabbitMqPublisher`]; from [`RabbitMqPublisher::builder`].
 #[must_use]
 pub struct RabbitMqPublisherBuilder {
@@ -130,19 +158,31 @@ impl RabbitMqPublisher {
     }
 
     /// A confirm channel for one batch's exclusive use, opening a new connection or channel
-    /// when needed. Give it back with [`RabbitMqPublisher::give_back`].
-    async fn channel(&self) -> std::result::Result<Channel, String> {
+    /// when needed. Give it back with [`RabbitMqPublisher::give_back`]. Every failure here
+    /// is an outage: nothing was written.
+    async fn channel(&self) -> std::result::Result<Lent, String> {
         let mut link = self.link.lock().await;
-        while let Some(channel) = link.idle.pop() {
-            if channel.status().connected() {
-                return Ok(channel);
-            }
-        }
         let connected = link
             .connection
             .as_ref()
             .is_some_and(|c| c.status().connected());
-        if !connected {
+        if connected {
+            let connection = link.connection.as_ref().expect("connected above");
+            let (status, frame_max) = (
+                connection.status().clone(),
+                connection.configuration().frame_max(),
+            );
+            while let Some(channel) = link.idle.pop() {
+                if channel.status().connected() {
+                    return Ok(Lent {
+                        channel,
+                        status,
+                        frame_max,
+                    });
+                }
+            }
+        } else {
+            link.idle.clear();
             if let Some(at) = link.retry_at
                 && Instant::now() < at
             {
@@ -172,7 +212,8 @@ impl RabbitMqPublisher {
                         .map_or(RECONNECT_MIN, |d| (d * 2).min(RECONNECT_MAX));
                     link.backoff = Some(delay);
                     link.retry_at = Some(Instant::now() + delay);
-                    tracing::warn!(endpoint = %self.endpoint, error = %e, retry_in = ?delay, "connecting to RabbitMQ failed");
+                    // The relay reports the outage; this is the detail.
+                    tracing::debug!(endpoint = %self.endpoint, error = %e, retry_in = ?delay, "connecting to RabbitMQ failed");
                     return Err(format!(
                         "connecting to RabbitMQ at {} failed: {e}",
                         self.endpoint
@@ -202,9 +243,14 @@ impl RabbitMqPublisher {
                 ));
             }
         };
+        let lent = Lent {
+            channel,
+            status: connection.status().clone(),
+            frame_max: connection.configuration().frame_max(),
+        };
         link.backoff = None;
         link.retry_at = None;
-        Ok(channel)
+        Ok(lent)
     }
 
     /// Returns a channel after a batch whose confirms all arrived.
@@ -214,115 +260,261 @@ impl RabbitMqPublisher {
         }
     }
 
-    /// Publishes every record, then awaits every confirm (up to the confirm timeout).
+    /// Publishes every record, then awaits every confirm; the whole batch, connecting
+    /// included, within the confirm timeout.
     async fn publish_pipelined(
         &self,
         records: &[Record],
     ) -> Vec<std::result::Result<(), PublishError>> {
-        let channel = match self.channel().await {
-            Ok(channel) => channel,
-            Err(why) => {
-                return records
-                    .iter()
-                    .map(|_| Err(PublishError::transient(why.clone())))
-                    .collect();
+        let deadline = Instant::now() + self.confirm_timeout;
+        let all = |err: &dyn Fn() -> PublishError| records.iter().map(|_| Err(err())).collect();
+        let lent = match tokio::time::timeout_at(deadline, self.channel()).await {
+            Ok(Ok(lent)) => lent,
+            Ok(Err(why)) => return all(&|| PublishError::unavailable(why.clone())),
+            Err(_) => {
+                return all(&|| {
+                    PublishError::unavailable(format!(
+                        "no channel on RabbitMQ at {} within {:?}",
+                        self.endpoint, self.confirm_timeout
+                    ))
+                });
             }
         };
-        let mut results: Vec<Option<std::result::Result<(), PublishError>>> =
-            records.iter().map(|_| None).collect();
+        let Lent {
+            channel,
+            status,
+            frame_max,
+        } = lent;
+        let blocked = || {
+            PublishError::unavailable(format!(
+                "RabbitMQ at {} blocked the connection (a resource alarm is on)",
+                self.endpoint
+            ))
+        };
+        if status.blocked() {
+            return all(&blocked);
+        }
+        let mut confirms = Confirms::new(records);
         let options = BasicPublishOptions {
             mandatory: self.mandatory,
             immediate: false,
         };
-        let mut confirms = FuturesUnordered::new();
+        let pending = FuturesUnordered::new();
+        let mut unwritten: Option<PublishError> = None;
         for (i, record) in records.iter().enumerate() {
-            let (routing_key, properties) = match properties(record) {
+            if let Some(why) = &unwritten {
+                confirms.fail(i, PublishError::unavailable(why.to_string()));
+                continue;
+            }
+            let (routing_key, properties) = match properties(record, frame_max) {
                 Ok(p) => p,
                 Err(e) => {
-                    results[i] = Some(Err(e));
+                    confirms.fail(i, e);
                     continue;
                 }
             };
-            match channel
-                .basic_publish(
-                    self.exchange.clone(),
-                    routing_key,
-                    options,
-                    &record.payload,
-                    properties,
-                )
-                .await
-            {
-                Ok(confirm) => confirms.push(async move { (i, confirm.await) }),
-                Err(e) => {
-                    results[i] = Some(Err(PublishError::transient(format!("publish failed: {e}"))));
+            let publish = channel.basic_publish(
+                self.exchange.clone(),
+                routing_key,
+                options,
+                &record.payload,
+                properties,
+            );
+            match tokio::time::timeout_at(deadline, publish).await {
+                Ok(Ok(confirm)) => pending.push(async move { (i, settled(confirm.await)) }),
+                Ok(Err(e)) => {
+                    // Not written: the channel or the connection is gone.
+                    let err = classify(&e, format!("publish failed: {e}"));
+                    if err.is_unavailable() {
+                        unwritten = Some(PublishError::unavailable(format!("publish failed: {e}")));
+                    }
+                    confirms.fail(i, err);
+                }
+                Err(_) => {
+                    // The writer is stuck (a blocked connection stops lapin writing).
+                    let why = if status.blocked() {
+                        blocked()
+                    } else {
+                        PublishError::unavailable(format!(
+                            "RabbitMQ at {} took the frames of no message within {:?}",
+                            self.endpoint, self.confirm_timeout
+                        ))
+                    };
+                    unwritten = Some(PublishError::unavailable(why.to_string()));
+                    confirms.fail(i, why);
                 }
             }
         }
-
-        let mut returned_keys = Vec::new();
-        let mut complete = true;
-        let deadline = tokio::time::sleep(self.confirm_timeout);
-        tokio::pin!(deadline);
-        while !confirms.is_empty() {
-            tokio::select! {
-                Some((i, confirmation)) = confirms.next() => {
-                    results[i] = Some(match confirmation {
-                        Ok(Confirmation::Ack(returned)) => {
-                            // A returned message may ride on another record's ack: match by id.
-                            if let Some(message) = returned {
-                                returned_keys.push((
-                                    message.delivery.properties.message_id().clone(),
-                                    message.reply_code,
-                                    message.reply_text.to_string(),
-                                ));
-                            }
-                            Ok(())
-                        }
-                        Ok(Confirmation::Nack(_)) => {
-                            Err(PublishError::transient("the broker nacked the message"))
-                        }
-                        Ok(Confirmation::NotRequested) => Err(PublishError::transient("the channel is not in confirm mode")),
-                        Err(e) => Err(PublishError::transient(format!("confirm failed: {e}"))),
-                    });
-                }
-                () = &mut deadline => {
-                    tracing::warn!(endpoint = %self.endpoint, unconfirmed = confirms.len(), timeout = ?self.confirm_timeout, "RabbitMQ confirm timeout");
-                    // The channel may be stuck, and late returns would land on the next
-                    // batch: it is not reused.
-                    complete = false;
-                    break;
-                }
-            }
+        let complete = gather(pending, deadline, &mut confirms).await;
+        if !complete {
+            tracing::warn!(endpoint = %self.endpoint, timeout = ?self.confirm_timeout, "RabbitMQ confirm timeout");
         }
-        if !returned_keys.is_empty() {
-            let index: HashMap<&str, usize> = records
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (r.key.as_str(), i))
-                .collect();
-            for (message_id, code, text) in returned_keys {
-                if let Some(i) = message_id.as_ref().and_then(|id| index.get(id.as_str())) {
-                    results[*i] = Some(Err(PublishError::transient(format!(
-                        "unroutable: exchange {:?} returned topic {:?} ({code} {text})",
-                        self.exchange.as_str(),
-                        records[*i].topic
-                    ))));
-                }
+        let exchange = self.exchange.as_str();
+        let timed_out = || {
+            if status.blocked() {
+                blocked()
+            } else {
+                PublishError::transient(format!(
+                    "no confirm within the confirm timeout ({:?})",
+                    self.confirm_timeout
+                ))
             }
-        }
-        if complete {
+        };
+        let results = confirms.finish(exchange, &timed_out);
+        // A channel whose confirms did not all come may be stuck, and late returns would
+        // land on the next batch: it is not reused.
+        if complete && unwritten.is_none() {
             self.give_back(channel).await;
         }
         results
+    }
+}
+
+/// What one confirm said, reduced to what the outcome needs.
+#[derive(Debug)]
+enum Settled {
+    Ack,
+    Nack,
+    Failed(PublishError),
+}
+
+/// A message the broker returned (unroutable with `mandatory`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Returned {
+    message_id: Option<String>,
+    code: u16,
+    text: String,
+}
+
+fn settled(confirmation: lapin::Result<Confirmation>) -> (Settled, Option<Returned>) {
+    let returned = |message: lapin::message::BasicReturnMessage| Returned {
+        message_id: message
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.to_string()),
+        code: message.reply_code,
+        text: message.reply_text.to_string(),
+    };
+    match confirmation {
+        Ok(Confirmation::Ack(message)) => (Settled::Ack, message.map(returned)),
+        // A nack can carry a return too: harvest it like one on an ack.
+        Ok(Confirmation::Nack(message)) => (Settled::Nack, message.map(returned)),
+        Ok(Confirmation::NotRequested) => (
+            Settled::Failed(PublishError::transient(
+                "the channel is not in confirm mode",
+            )),
+            None,
+        ),
+        Err(e) => (
+            Settled::Failed(classify(&e, format!("confirm failed: {e}"))),
+            None,
+        ),
+    }
+}
+
+/// Whether a lapin error says the broker is out of reach (an outage) or something about
+/// what was sent failed. A connection the broker closed for a protocol error may have been
+/// closed because of a message, so that one spends attempts.
+fn classify(err: &lapin::Error, text: String) -> PublishError {
+    match err.kind() {
+        ErrorKind::IOError(_)
+        | ErrorKind::MissingHeartbeatError
+        | ErrorKind::InvalidConnectionState(_)
+        | ErrorKind::InvalidChannelState(..)
+        | ErrorKind::ChannelsLimitReached => PublishError::unavailable(text),
+        ErrorKind::ProtocolError(amqp) => match amqp.kind() {
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND | AMQPSoftError::ACCESSREFUSED)
+            | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED) => {
+                PublishError::unavailable(text)
+            }
+            _ => PublishError::transient(text),
+        },
+        _ => PublishError::transient(text),
+    }
+}
+
+/// Awaits confirms until all are in or the deadline passes, then reads those that are in
+/// already (they may carry a return). Returns whether every confirm came.
+async fn gather<F>(
+    mut pending: FuturesUnordered<F>,
+    deadline: Instant,
+    confirms: &mut Confirms<'_>,
+) -> bool
+where
+    F: Future<Output = (usize, (Settled, Option<Returned>))>,
+{
+    let timer = tokio::time::sleep_until(deadline);
+    tokio::pin!(timer);
+    while !pending.is_empty() {
+        tokio::select! {
+            biased;
+            Some((i, (settled, returned))) = pending.next() => confirms.settle(i, settled, returned),
+            () = &mut timer => break,
+        }
+    }
+    while let Some(Some((i, (settled, returned)))) = pending.next().now_or_never() {
+        confirms.settle(i, settled, returned);
+    }
+    pending.is_empty()
+}
+
+/// The results of one pipelined batch, as its confirms and returns come in, in any order.
+struct Confirms<'a> {
+    records: &'a [Record],
+    results: Vec<Option<std::result::Result<(), PublishError>>>,
+    returned: Vec<Returned>,
+}
+
+impl<'a> Confirms<'a> {
+    fn new(records: &'a [Record]) -> Self {
+        Confirms {
+            records,
+            results: records.iter().map(|_| None).collect(),
+            returned: Vec::new(),
+        }
+    }
+
+    /// Record `i` failed before anything was written.
+    fn fail(&mut self, i: usize, err: PublishError) {
+        self.results[i] = Some(Err(err));
+    }
+
+    /// Record `i`'s confirm arrived, perhaps with another record's return attached.
+    fn settle(&mut self, i: usize, settled: Settled, returned: Option<Returned>) {
+        self.returned.extend(returned);
+        self.results[i] = Some(match settled {
+            Settled::Ack => Ok(()),
+            Settled::Nack => Err(PublishError::transient("the broker nacked the message")),
+            Settled::Failed(err) => Err(err),
+        });
+    }
+
+    /// One result per record: a returned record failed whatever its own confirm said; a
+    /// record without a confirm failed with `unconfirmed()`.
+    fn finish(
+        mut self,
+        exchange: &str,
+        unconfirmed: &dyn Fn() -> PublishError,
+    ) -> Vec<std::result::Result<(), PublishError>> {
+        let index: HashMap<&str, usize> = self
+            .records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.key.as_str(), i))
+            .collect();
+        for returned in &self.returned {
+            if let Some(&i) = returned.message_id.as_deref().and_then(|id| index.get(id)) {
+                self.results[i] = Some(Err(PublishError::transient(format!(
+                    "unroutable: exchange {exchange:?} returned topic {:?} ({} {})",
+                    self.records[i].topic, returned.code, returned.text
+                ))));
+            }
+        }
+        self.results
             .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(PublishError::transient(
-                        "no confirm within the confirm timeout",
-                    ))
-                })
-            })
+            .map(|r| r.unwrap_or_else(|| Err(unconfirmed())))
             .collect()
     }
 }
@@ -335,9 +527,10 @@ impl RabbitMqPublisherBuilder {
         self
     }
 
-    /// How long to wait for the broker's confirms of a batch before counting the missing
-    /// ones as transient failures; it also bounds connecting and opening a channel.
-    /// Defaults to 10 s.
+    /// The longest a batch may take, connecting and opening a channel included; confirms
+    /// missing then count as transient failures (or as an outage, when the broker has
+    /// blocked the connection). The relay checks at `build()` that it fits in half its
+    /// lease. Defaults to 10 s.
     pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout;
         self
@@ -375,26 +568,33 @@ impl RabbitMqPublisherBuilder {
             confirm_timeout: self.confirm_timeout,
             link: Mutex::new(Link::default()),
         };
-        publisher
+        let lent = publisher
             .channel()
             .await
             .map_err(|why| Error::Publish(why.into()))?;
+        publisher.give_back(lent.channel).await;
         Ok(publisher)
     }
 }
 
-/// The routing key and AMQP properties of a record.
+/// The routing key and AMQP properties of a record, once it is known that RabbitMQ takes
+/// them: each rule broken is a permanent failure of this record alone.
 fn properties(
     record: &Record,
+    frame_max: u32,
 ) -> std::result::Result<(ShortString, BasicProperties), PublishError> {
     // Enqueue validates these limits; rows written by other means may not respect them.
     let short = |what: &str, value: &str| {
         ShortString::try_new(value)
             .map_err(|_| PublishError::permanent(format!("{what} is over 255 bytes")))
     };
-    let mut headers: std::collections::BTreeMap<ShortString, AMQPValue> =
-        std::collections::BTreeMap::new();
+    let mut headers: BTreeMap<ShortString, AMQPValue> = BTreeMap::new();
     for (name, value) in &record.headers {
+        if ROUTING_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+            return Err(PublishError::permanent(format!(
+                "header {name:?} is refused: RabbitMQ routes on CC and BCC"
+            )));
+        }
         headers.insert(
             short("a header name", name)?,
             AMQPValue::LongString(LongString::from(value.as_bytes())),
@@ -411,15 +611,59 @@ fn properties(
             AMQPValue::LongString(LongString::from(aggregate.as_bytes())),
         );
     }
+    let message_id = short("the idempotency key", &record.key)?;
+    let content_type = record
+        .content_type
+        .as_deref()
+        .map(|ct| short("the content type", ct))
+        .transpose()?;
+    let frame = header_frame_size(&message_id, content_type.as_ref(), &headers);
+    if frame > u64::from(frame_max) {
+        return Err(PublishError::permanent(format!(
+            "the message's header frame is {frame} bytes, over the connection's frame_max of \
+             {frame_max} (its headers are too large for RabbitMQ)"
+        )));
+    }
     let mut properties = BasicProperties::default()
-        .with_message_id(short("the idempotency key", &record.key)?)
+        .with_message_id(message_id)
         .with_delivery_mode(2)
         .with_timestamp(u64::try_from(record.created_at.timestamp()).unwrap_or(0))
         .with_headers(FieldTable::from(headers));
-    if let Some(content_type) = &record.content_type {
-        properties = properties.with_content_type(short("the content type", content_type)?);
+    if let Some(content_type) = content_type {
+        properties = properties.with_content_type(content_type);
     }
     Ok((short("the topic", &record.topic)?, properties))
+}
+
+/// The size of the content header frame of a message with these properties (as set by
+/// [`properties`]), by AMQP 0-9-1's encoding: frame header (7 bytes) and end (1), class,
+/// weight and body size (12), property flags (2), then each property present.
+fn header_frame_size(
+    message_id: &ShortString,
+    content_type: Option<&ShortString>,
+    headers: &BTreeMap<ShortString, AMQPValue>,
+) -> u64 {
+    let short = |s: &ShortString| 1 + s.as_str().len() as u64;
+    let table: u64 = headers
+        .iter()
+        .map(|(name, value)| {
+            short(name)
+                + 1
+                + match value {
+                    AMQPValue::LongString(s) => 4 + s.as_bytes().len() as u64,
+                    AMQPValue::LongLongInt(_) => 8,
+                    // Not produced by `properties`; sized generously.
+                    _ => 1 << 20,
+                }
+        })
+        .sum();
+    let properties = 2 // flags
+        + content_type.map_or(0, short)
+        + 4 + table // headers
+        + 1 // delivery mode
+        + short(message_id)
+        + 8; // timestamp
+    7 + 12 + properties + 1
 }
 
 impl Publisher for RabbitMqPublisher {
@@ -440,5 +684,152 @@ impl Publisher for RabbitMqPublisher {
             )
         };
         Some(Box::pin(stream::once(results).flatten()))
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.confirm_timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: &str) -> Record {
+        Record {
+            id: 1,
+            key: key.into(),
+            topic: "t".into(),
+            aggregate_key: None,
+            payload: Vec::new(),
+            content_type: None,
+            headers: BTreeMap::new(),
+            attempt: 1,
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    fn returned(key: &str) -> Option<Returned> {
+        Some(Returned {
+            message_id: Some(key.into()),
+            code: 312,
+            text: "NO_ROUTE".into(),
+        })
+    }
+
+    fn outcome(results: &[std::result::Result<(), PublishError>]) -> Vec<String> {
+        results
+            .iter()
+            .map(|r| match r {
+                Ok(()) => "sent".into(),
+                Err(e) if e.to_string().contains("unroutable") => "returned".into(),
+                Err(e) => e.to_string(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_return_fails_its_own_record_whichever_confirm_carries_it_and_in_any_order() {
+        let records = [record("a"), record("b"), record("c")];
+        let unconfirmed = || PublishError::transient("no confirm");
+        // b's return rides on a's ack, which comes before b's own ack...
+        let mut early = Confirms::new(&records);
+        early.settle(0, Settled::Ack, returned("b"));
+        early.settle(1, Settled::Ack, None);
+        early.settle(2, Settled::Ack, None);
+        assert_eq!(
+            outcome(&early.finish("x", &unconfirmed)),
+            ["sent", "returned", "sent"]
+        );
+        // ...or after it, on c's ack.
+        let mut late = Confirms::new(&records);
+        late.settle(1, Settled::Ack, None);
+        late.settle(0, Settled::Ack, None);
+        late.settle(2, Settled::Ack, returned("b"));
+        assert_eq!(
+            outcome(&late.finish("x", &unconfirmed)),
+            ["sent", "returned", "sent"]
+        );
+        // A return attached to a nack is not lost.
+        let mut nacked = Confirms::new(&records);
+        nacked.settle(0, Settled::Ack, None);
+        nacked.settle(2, Settled::Nack, returned("b"));
+        nacked.settle(1, Settled::Ack, None);
+        let results = nacked.finish("x", &unconfirmed);
+        assert_eq!(outcome(&results)[..2], ["sent", "returned"]);
+        assert!(
+            results[2]
+                .as_ref()
+                .unwrap_err()
+                .to_string()
+                .contains("nacked")
+        );
+    }
+
+    #[tokio::test]
+    async fn confirms_already_in_at_the_deadline_are_still_read() {
+        let records = [record("a"), record("b"), record("c")];
+        let mut confirms = Confirms::new(&records);
+        type Confirm =
+            futures_util::future::BoxFuture<'static, (usize, (Settled, Option<Returned>))>;
+        let pending: FuturesUnordered<Confirm> = FuturesUnordered::new();
+        // c's confirm carries b's return and is ready; b's own confirm never comes.
+        pending.push(Box::pin(async { (0, (Settled::Ack, None)) }));
+        pending.push(Box::pin(std::future::pending()));
+        pending.push(Box::pin(async { (2, (Settled::Ack, returned("b"))) }));
+        // The deadline has passed before anything was awaited.
+        let complete = gather(pending, Instant::now(), &mut confirms).await;
+        assert!(!complete);
+        let results = confirms.finish("x", &|| PublishError::transient("no confirm"));
+        assert_eq!(outcome(&results), ["sent", "returned", "sent"]);
+    }
+
+    #[test]
+    fn the_header_frame_size_matches_the_encoder() {
+        let mut r = record("order-42-created");
+        r.aggregate_key = Some("order-42".into());
+        r.content_type = Some("application/json".into());
+        r.headers.insert("tenant".into(), "acme".into());
+        r.headers.insert("h".into(), "x".repeat(70_000));
+        let (_, properties) = properties(&r, u32::MAX).unwrap();
+        let (body, _) = cookie_factory::r#gen(
+            lapin::protocol::basic::gen_properties(&properties),
+            Vec::new(),
+        )
+        .unwrap();
+        let message_id = properties.message_id().clone().unwrap();
+        let headers: BTreeMap<ShortString, AMQPValue> = properties
+            .headers()
+            .clone()
+            .unwrap()
+            .inner()
+            .clone()
+            .into_iter()
+            .collect();
+        let computed = header_frame_size(&message_id, properties.content_type().as_ref(), &headers);
+        assert_eq!(computed, 7 + 12 + body.len() as u64 + 1);
+    }
+
+    #[test]
+    fn records_rabbitmq_cannot_take_fail_permanently_before_anything_is_written() {
+        let mut cc = record("k");
+        cc.headers.insert("Cc".into(), "other.queue".into());
+        let err = properties(&cc, 131_072).unwrap_err();
+        assert!(
+            err.is_permanent() && err.to_string().contains("CC and BCC"),
+            "{err}"
+        );
+
+        let mut big = record("k");
+        big.headers.insert("h".into(), "x".repeat(300_000));
+        let err = properties(&big, 131_072).unwrap_err();
+        assert!(
+            err.is_permanent() && err.to_string().contains("frame_max"),
+            "{err}"
+        );
+        properties(&big, 1 << 20).unwrap();
+
+        let long_key = record(&"k".repeat(256));
+        assert!(properties(&long_key, 131_072).unwrap_err().is_permanent());
     }
 }

@@ -319,6 +319,10 @@ async fn bad_messages_are_rejected_before_any_sql() {
         ),
         ("empty key", Message::new("t", "x").key("")),
         ("NUL in key", Message::new("t", "x").key("a\0b")),
+        (
+            "headers over max_headers_bytes",
+            Message::new("t", "x").header("h", "x".repeat(300_000)),
+        ),
     ];
     for (what, msg) in cases {
         let err = outbox.enqueue(&mut conn, msg).await.unwrap_err();
@@ -332,11 +336,32 @@ async fn bad_messages_are_rejected_before_any_sql() {
     assert_eq!(queries.get(), 0, "no SQL ran for bad input");
     assert!(rows(&mut conn, &schema.table("small")).await.is_empty());
 
-    // The limit is inclusive.
+    // The limits are inclusive.
     outbox
         .enqueue(&mut conn, Message::new("t", "12345678"))
         .await
         .unwrap();
+    let tight = Outbox::builder()
+        .table(schema.table("small"))
+        .max_headers_bytes(10)
+        .build()
+        .unwrap();
+    let err = tight
+        .enqueue(&mut conn, Message::new("t", "x").header("abcde", "123456"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("max_headers_bytes"), "{err}");
+    tight
+        .enqueue(&mut conn, Message::new("t", "x").header("abcde", "12345"))
+        .await
+        .unwrap();
+    for bad in [0, 2 << 20] {
+        let err = Outbox::builder()
+            .max_headers_bytes(bad)
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("max_headers_bytes"), "{err}");
+    }
 }
 
 #[tokio::test]

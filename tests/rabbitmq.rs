@@ -478,3 +478,93 @@ async fn a_broker_that_never_answers_the_handshake_fails_the_connect_in_time() {
     assert!(!err.to_string().contains("guest:"), "{err}");
     holder.abort();
 }
+
+/// Rows written by other means can hold what RabbitMQ refuses: a header frame over the
+/// connection's `frame_max` (which made the broker close the connection, failing the whole
+/// batch; above about 4 MiB lapin's writer wedged), or a `CC` header (extra routing). Each
+/// fails permanently and alone, before anything is written; its batch goes out.
+#[tokio::test]
+async fn a_record_rabbitmq_cannot_take_dies_alone_and_its_batch_goes_out() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let spoilt = [
+        (
+            "big-header",
+            "jsonb_build_object('h', repeat('x', 300000))",
+            "frame_max",
+        ),
+        (
+            "huge-header",
+            "jsonb_build_object('h', repeat('x', 5000000))",
+            "frame_max",
+        ),
+        ("cc-header", "'{\"CC\": \"elsewhere\"}'", "CC and BCC"),
+    ];
+    f.outbox
+        .enqueue(&mut f.conn, Message::new("t", "a").key("a"))
+        .await
+        .unwrap();
+    for (key, _, _) in &spoilt {
+        f.outbox
+            .enqueue(&mut f.conn, Message::new("t", "x").key(*key))
+            .await
+            .unwrap();
+    }
+    f.outbox
+        .enqueue(&mut f.conn, Message::new("t", "c").key("c"))
+        .await
+        .unwrap();
+    let t = f.outbox.table().to_owned();
+    for (key, headers, _) in &spoilt {
+        f.conn
+            .batch_execute(&format!(
+                "UPDATE {t} SET headers = {headers} WHERE idempotency_key = '{key}'"
+            ))
+            .await
+            .unwrap();
+    }
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .build()
+        .unwrap();
+    let claimed = tokio::time::timeout(DEADLINE, relay.run_once())
+        .await
+        .expect("the batch finished")
+        .unwrap();
+    assert_eq!(claimed, 5);
+    assert_eq!(
+        f.count("idempotency_key IN ('a', 'c') AND status = 'sent' AND attempts = 1")
+            .await,
+        2,
+        "the neighbours went out on their first attempt"
+    );
+    for (key, _, reason) in &spoilt {
+        assert_eq!(
+            f.count(&format!(
+                "idempotency_key = '{key}' AND status = 'dead' AND attempts = 1 \
+                 AND last_error LIKE '%permanent%{reason}%'"
+            ))
+            .await,
+            1,
+            "{key} died alone"
+        );
+    }
+    let mut received = Vec::new();
+    while let Some(d) = next(&mut consumer, QUIET).await {
+        received.push(message_id(&d));
+    }
+    assert_eq!(received, ["a", "c"]);
+
+    // The connection survived: the next batch goes out on it.
+    f.outbox
+        .enqueue(&mut f.conn, Message::new("t", "d").key("d"))
+        .await
+        .unwrap();
+    assert_eq!(relay.run_once().await.unwrap(), 1);
+    assert_eq!(
+        message_id(&next(&mut consumer, DEADLINE).await.unwrap()),
+        "d"
+    );
+}
