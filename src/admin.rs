@@ -34,6 +34,10 @@ pub struct Stats {
     /// Lag: how long ago the oldest due pending message was enqueued (`None` when nothing
     /// is due).
     pub oldest_pending: Option<Duration>,
+    /// How long a running relay has been unable to reach its broker (the longest such
+    /// outage among live relays); `None` when every relay reaches its broker. While it
+    /// lasts, relays publish nothing and spend no attempts.
+    pub blocked_for: Option<Duration>,
 }
 
 /// A dead letter, from [`Outbox::dead_letters`].
@@ -80,6 +84,8 @@ struct StatsRow {
     dead: i64,
     #[diesel(sql_type = Nullable<BigInt>)]
     lag_us: Option<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    blocked_us: Option<i64>,
 }
 
 #[derive(QueryableByName)]
@@ -118,9 +124,8 @@ impl Outbox {
             sent,
             sent_is_estimate,
             dead: count(row.dead),
-            oldest_pending: row
-                .lag_us
-                .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
+            oldest_pending: row.lag_us.map(micros_to_duration),
+            blocked_for: row.blocked_us.map(micros_to_duration),
         })
     }
 
@@ -244,6 +249,10 @@ impl Outbox {
             .map_err(|e| self.db_error(e))?;
         Ok(n as u64)
     }
+}
+
+fn micros_to_duration(us: i64) -> Duration {
+    Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }
 
 /// An age in microseconds, as bound into SQL.

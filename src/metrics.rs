@@ -29,9 +29,21 @@ pub trait Metrics: Send + Sync + 'static {
     }
 
     /// `n` claimed rows were given back unpublished, their attempts untouched: at shutdown,
-    /// cut off by the drain timeout, or behind a failed message of their aggregate's run.
+    /// cut off by the drain timeout, behind a failed message of their aggregate's run, or
+    /// because the broker was unavailable.
     fn released(&self, n: usize) {
         let _ = n;
+    }
+
+    /// The broker became unavailable ([`PublishError::unavailable`]): the relay holds off
+    /// publishing, spending no attempts, until it answers again.
+    fn blocked(&self, err: &PublishError) {
+        let _ = err;
+    }
+
+    /// The broker answered again after being unavailable for `outage`.
+    fn unblocked(&self, outage: Duration) {
+        let _ = outage;
     }
 
     /// `n` outcomes were discarded because another relay had taken the rows over after this

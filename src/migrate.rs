@@ -13,8 +13,9 @@ use crate::outbox::Outbox;
 /// `conn.run_pending_migrations(diesel_outbox::MIGRATIONS)` on a sync connection, or
 /// `diesel_async::AsyncMigrationHarness` on an async one.
 ///
-/// They create exactly what [`Outbox::migrate`] creates for the default table `outbox`,
-/// and record version 1 in `outbox_migrations` too, so the two paths can be mixed. Caveats
+/// They create exactly what [`Outbox::migrate`] creates for the default table `outbox`, one
+/// migration per schema version, and record each version in `outbox_migrations` too, so
+/// the two paths can be mixed. Caveats
 /// of diesel's harness: it records versions in the shared `__diesel_schema_migrations`
 /// table and takes no lock (start one migrating process at a time), and your app's
 /// `diesel migration revert` fails when the newest applied version is not in your own
@@ -71,11 +72,11 @@ impl Outbox {
                     .into(),
                 ));
             }
-            for (version, statements) in (1..).zip(&sql.migrations) {
+            for (version, migration) in (1..).zip(&sql.migrations) {
                 if applied.contains(&version) {
                     continue;
                 }
-                for statement in statements {
+                for statement in &migration.up {
                     diesel::sql_query(statement.as_str()).execute(c).await?;
                 }
                 sql.record_version
@@ -109,10 +110,37 @@ impl Outbox {
         ]
     }
 
-    /// The texts of a diesel CLI migration for this table: `(up.sql, down.sql)`. The
-    /// crate's own `migrations/` folder holds these for the default table.
-    pub fn diesel_migration(&self) -> (String, String) {
-        (sql_file(&self.sql()), sql_file(&self.down_sql()))
+    /// The diesel CLI migrations of this table, one `(up.sql, down.sql)` per schema version,
+    /// oldest first. The crate's own `migrations/` folder holds these for the default table;
+    /// `diesel-outbox sql --dir` writes them for any table. The first also creates the
+    /// version table (and the schema of a `schema.name` table); each records its version
+    /// there, so [`Outbox::migrate`] afterwards finds nothing to do.
+    pub fn diesel_migrations(&self) -> Vec<(String, String)> {
+        let sql = self.statements();
+        (1..)
+            .zip(&sql.migrations)
+            .map(|(version, migration)| {
+                let mut up = Vec::new();
+                if version == 1 {
+                    up.extend(sql.create_schema.clone());
+                    up.push(sql.create_migrations.clone());
+                }
+                up.extend(migration.up.iter().cloned());
+                up.push(
+                    sql.record_version
+                        .text()
+                        .replace("$1", &version.to_string()),
+                );
+                let mut down = migration.down.clone();
+                if version == 1 {
+                    down.push(format!(
+                        "DROP TABLE IF EXISTS {}",
+                        self.inner.table.quoted_with("_migrations")
+                    ));
+                }
+                (sql_file(&up), sql_file(&down))
+            })
+            .collect()
     }
 }
 

@@ -1,5 +1,5 @@
 //! Diesel `table!` definitions for the default table names (`outbox`, `outbox_inbox`,
-//! `outbox_migrations`), for typed reads with Diesel's query builder.
+//! `outbox_migrations`, `outbox_relays`), for typed reads with Diesel's query builder.
 //!
 //! Write through [`Outbox`](crate::Outbox) rather than inserting here directly: enqueue
 //! validates, fills the key and wakes relays. A custom table name has no `table!` of its
@@ -63,6 +63,21 @@ diesel::table! {
         version -> Integer,
         /// When it was applied.
         applied_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    /// Running relays, which keep their record alive while they run (unlogged: rebuilt by
+    /// the relays after a crash of the database).
+    outbox_relays (relay_id) {
+        /// A relay run's random id.
+        relay_id -> Text,
+        /// Whether it has nothing to do and waits for a wake-up.
+        idle -> Bool,
+        /// The record lapses then unless renewed.
+        expires_at -> Timestamptz,
+        /// Since when its broker has been unreachable; `NULL` while it is reachable.
+        blocked_since -> Nullable<Timestamptz>,
     }
 }
 

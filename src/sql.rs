@@ -14,7 +14,7 @@ pub(crate) struct Statements {
     pub(crate) create_migrations: String,
     pub(crate) select_versions: String,
     pub(crate) record_version: Statement,
-    pub(crate) migrations: Vec<Vec<String>>,
+    pub(crate) migrations: Vec<Migration>,
 
     pub(crate) enqueue: Statement,
     pub(crate) enqueue_notify: Statement,
@@ -34,6 +34,12 @@ pub(crate) struct Statements {
     pub(crate) listen: String,
     pub(crate) relay_state: Statement,
     pub(crate) relay_gone: Statement,
+}
+
+/// One schema version: the statements that apply it and those that take it back.
+pub(crate) struct Migration {
+    pub(crate) up: Vec<String>,
+    pub(crate) down: Vec<String>,
 }
 
 /// Outcome kinds bound into [`Statements::record_outcomes`].
@@ -129,6 +135,22 @@ impl Statements {
         ];
 
         let relays = table.quoted_with("_relays");
+        let v1_down = vec![
+            format!("DROP TABLE IF EXISTS {relays}"),
+            format!("DROP TABLE IF EXISTS {inbox}"),
+            format!("DROP TABLE IF EXISTS {t}"),
+            format!("DELETE FROM {migrations_table} WHERE version = 1"),
+        ];
+        // Version 2: relays record when their broker became unreachable (for `stats`).
+        let v2 = Migration {
+            up: vec![format!(
+                "ALTER TABLE {relays} ADD COLUMN IF NOT EXISTS blocked_since timestamptz"
+            )],
+            down: vec![
+                format!("ALTER TABLE {relays} DROP COLUMN IF EXISTS blocked_since"),
+                format!("DELETE FROM {migrations_table} WHERE version = 2"),
+            ],
+        };
         let enqueue_cte = format!(
             "WITH m AS (\n\
              \x20   SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], \
@@ -193,7 +215,13 @@ impl Statements {
             record_version: Statement::new(format!(
                 "INSERT INTO {migrations_table} (version) VALUES ($1) ON CONFLICT DO NOTHING"
             )),
-            migrations: vec![v1],
+            migrations: vec![
+                Migration {
+                    up: v1,
+                    down: v1_down,
+                },
+                v2,
+            ],
 
             enqueue: Statement::new(enqueue),
             enqueue_notify: Statement::new(enqueue_notify),
@@ -216,7 +244,9 @@ impl Statements {
                  WHERE oid = to_regclass($1)) AS sent_estimate,\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'dead') AS dead,\n\
                  \x20   (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
-                 FROM {t} WHERE status = 'pending' AND available_at <= now()) AS lag_us"
+                 FROM {t} WHERE status = 'pending' AND available_at <= now()) AS lag_us,\n\
+                 \x20   (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint \
+                 FROM {relays} WHERE expires_at > now()) AS blocked_us"
             )),
             redrive: Statement::new(format!(
                 "UPDATE {t} SET status = 'pending', attempts = 0, available_at = now(), \
@@ -379,11 +409,19 @@ impl Statements {
                  RETURNING t.id"
             )),
             listen: format!("LISTEN \"{}\"", table.channel()),
-            // $1 relay id, $2 idle, $3 time to live (µs).
+            // $1 relay id, $2 idle, $3 time to live (µs), $4 how long its broker has been
+            // unreachable (µs, NULL when it is reachable). Records of relays gone for a
+            // minute are removed on the way, so the table holds live relays only.
             relay_state: Statement::new(format!(
-                "INSERT INTO {relays} (relay_id, idle, expires_at) \
-                 VALUES ($1, $2, now() + $3 * interval '1 microsecond') \
-                 ON CONFLICT (relay_id) DO UPDATE SET idle = excluded.idle, expires_at = excluded.expires_at"
+                "WITH gone AS (\n\
+                 \x20   DELETE FROM {relays} WHERE expires_at < now() - interval '1 minute' \
+                 AND relay_id <> $1\n\
+                 )\n\
+                 INSERT INTO {relays} (relay_id, idle, expires_at, blocked_since) \
+                 VALUES ($1, $2, now() + $3 * interval '1 microsecond', \
+                 now() - $4 * interval '1 microsecond') \
+                 ON CONFLICT (relay_id) DO UPDATE SET idle = excluded.idle, \
+                 expires_at = excluded.expires_at, blocked_since = excluded.blocked_since"
             )),
             relay_gone: Statement::new(format!(
                 "DELETE FROM {relays} WHERE relay_id = $1 OR expires_at < now()"
@@ -397,8 +435,8 @@ impl Statements {
         let mut out = Vec::new();
         out.extend(self.create_schema.clone());
         out.push(self.create_migrations.clone());
-        for (i, statements) in self.migrations.iter().enumerate() {
-            out.extend(statements.iter().cloned());
+        for (i, migration) in self.migrations.iter().enumerate() {
+            out.extend(migration.up.iter().cloned());
             out.push(
                 self.record_version
                     .text()

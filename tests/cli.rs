@@ -182,22 +182,33 @@ async fn purge_and_sql_work_and_a_negative_age_is_a_usage_error() {
         "orders_outbox",
         &["sql", "--dir", dir.to_str().unwrap()],
     ));
-    let folder = std::fs::read_dir(&dir)
+    let mut folders: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    let (up, down) = Outbox::builder()
+        .map(|e| e.unwrap().path())
+        .collect();
+    folders.sort();
+    let rendered = Outbox::builder()
         .table("orders_outbox")
         .build()
         .unwrap()
-        .diesel_migration();
-    assert_eq!(std::fs::read_to_string(folder.join("up.sql")).unwrap(), up);
-    assert_eq!(
-        std::fs::read_to_string(folder.join("down.sql")).unwrap(),
-        down
-    );
+        .diesel_migrations();
+    assert_eq!(folders.len(), rendered.len(), "one folder per version");
+    for (folder, (up, down)) in folders.iter().zip(&rendered) {
+        assert_eq!(std::fs::read_to_string(folder.join("up.sql")).unwrap(), *up);
+        assert_eq!(
+            std::fs::read_to_string(folder.join("down.sql")).unwrap(),
+            *down
+        );
+    }
+    let only = dir.join("only");
+    stdout(&cli(
+        "orders_outbox",
+        &["sql", "--dir", only.to_str().unwrap(), "--version", "2"],
+    ));
+    let written: Vec<_> = std::fs::read_dir(&only).unwrap().collect();
+    assert_eq!(written.len(), 1);
+    let bad = cli("orders_outbox", &["sql", "--version", "99"]);
+    assert_eq!(bad.status.code(), Some(2));
     std::fs::remove_dir_all(dir).unwrap();
 }
 

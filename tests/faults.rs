@@ -263,7 +263,7 @@ async fn run(tier: Tier) {
             "--drain-timeout",
             "1s",
             "--confirm-timeout",
-            "3s",
+            "1s",
             "--retention",
             "off",
             "--inbox-retention",

@@ -320,16 +320,19 @@ async fn a_crash_between_publish_and_mark_delivers_twice_and_dedupe_applies_once
                 published: published.clone(),
             },
         )
-        .lease(Duration::from_millis(300))
+        .lease(Duration::from_secs(2))
+        .drain_timeout(Duration::from_millis(100))
         .build()
         .unwrap();
-    let crash = tokio::time::timeout(Duration::from_secs(5), crashing.run_once());
+    // The relay "crashes" (its future is dropped) the moment the broker has confirmed.
     let confirmed = published.clone();
     let waiter = eventually(DEADLINE, "the first publish", || async {
         (AtomicUsize::load(&confirmed, Ordering::SeqCst) == 1).then_some(())
     });
-    let (crashed, ()) = tokio::join!(async { crash.await.is_err() }, waiter);
-    assert!(crashed, "the first relay never marked the row");
+    tokio::select! {
+        _ = crashing.run_once() => panic!("the first relay marked the row"),
+        () = waiter => {}
+    }
 
     let healthy = f
         .outbox
@@ -416,8 +419,10 @@ async fn no_url_or_password_in_debug_errors_or_display() {
     }
 }
 
+/// A missing exchange is an outage, not the message's fault: the record is released with
+/// its attempt given back, and goes out on its first attempt once the exchange exists.
 #[tokio::test]
-async fn a_missing_exchange_fails_transiently_and_the_channel_recovers() {
+async fn a_missing_exchange_spends_no_attempt_and_the_channel_recovers() {
     let mut f = fixture().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
@@ -431,17 +436,17 @@ async fn a_missing_exchange_fails_transiently_and_the_channel_recovers() {
         .await
         .unwrap();
     let relay = f.outbox.relay(f.pool.clone(), missing).build().unwrap();
-    relay.run_once().await.unwrap();
-    assert_eq!(f.count("status = 'pending' AND attempts = 1").await, 1);
+    assert_eq!(relay.run_once().await.unwrap(), 1);
+    assert_eq!(
+        f.count(
+            "status = 'pending' AND attempts = 0 AND last_error IS NULL AND lease_until IS NULL"
+        )
+        .await,
+        1,
+        "released, its attempt given back"
+    );
 
-    // The same key goes out through a working publisher afterwards.
-    f.conn
-        .batch_execute(&format!(
-            "UPDATE {} SET available_at = now()",
-            f.outbox.table()
-        ))
-        .await
-        .unwrap();
+    // The same key goes out through a working publisher afterwards, on its first attempt.
     let good = f
         .outbox
         .relay(f.pool.clone(), publisher(&broker.exchange).await)
@@ -452,7 +457,7 @@ async fn a_missing_exchange_fails_transiently_and_the_channel_recovers() {
     assert_eq!(message_id(&d), "k");
     assert_eq!(
         header(&d, "x-outbox-attempt"),
-        Some(&AMQPValue::LongLongInt(2))
+        Some(&AMQPValue::LongLongInt(1))
     );
 }
 
@@ -567,4 +572,90 @@ async fn a_record_rabbitmq_cannot_take_dies_alone_and_its_batch_goes_out() {
         message_id(&next(&mut consumer, DEADLINE).await.unwrap()),
         "d"
     );
+}
+
+/// The broker stopped for ten times `max_attempts × backoff max`: nothing becomes a dead
+/// letter, no attempt is spent, `stats` shows the relay blocked, and the backlog drains once
+/// the broker is back, every message on its first attempt.
+#[tokio::test]
+async fn a_broker_outage_spends_no_attempts_and_the_backlog_drains_when_it_is_back() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), &broker.exchange)
+        .confirm_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .unwrap();
+    let (max_attempts, backoff_max) = (2, Duration::from_millis(100));
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .max_attempts(max_attempts)
+        .backoff(Duration::from_millis(10), backoff_max)
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    proxy.set_down(true);
+    let mut expected = Vec::new();
+    for i in 0..30 {
+        let key = format!("k{i:02}");
+        f.outbox
+            .enqueue(&mut f.conn, Message::new("t", "x").key(key.clone()))
+            .await
+            .unwrap();
+        expected.push(key);
+    }
+    let outage = 10 * max_attempts * backoff_max;
+    let down_until = tokio::time::Instant::now() + outage;
+    let mut blocked_seen = None;
+    while tokio::time::Instant::now() < down_until {
+        let stats = f.outbox.stats(&mut f.conn).await.unwrap();
+        blocked_seen = blocked_seen.or(stats.blocked_for);
+        assert_eq!(stats.dead, 0, "a dead letter during the outage");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(f.count("status = 'dead' OR attempts > 0").await, 0);
+    assert_eq!(f.count("status = 'pending'").await, 30);
+    assert!(
+        blocked_seen.is_some(),
+        "stats never showed the relay blocked"
+    );
+    let blocked = f.outbox.stats(&mut f.conn).await.unwrap().blocked_for;
+    assert!(
+        blocked.is_some_and(|b| b >= outage / 2),
+        "blocked for {blocked:?} after {outage:?} down"
+    );
+
+    proxy.set_down(false);
+    f.wait_rows("status = 'sent' AND attempts = 1", 30).await;
+    eventually(DEADLINE, "stats to clear the outage", || async {
+        let mut conn = f.schema.connect().await;
+        let stats = f.outbox.stats(&mut conn).await.unwrap();
+        stats.blocked_for.is_none().then_some(())
+    })
+    .await;
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    let mut received = Vec::new();
+    while let Some(d) = next(&mut consumer, QUIET).await {
+        assert_eq!(
+            header(&d, "x-outbox-attempt"),
+            Some(&AMQPValue::LongLongInt(1))
+        );
+        received.push(message_id(&d));
+    }
+    received.sort();
+    assert_eq!(received, expected);
 }

@@ -85,6 +85,8 @@ struct Counters {
     dead: AtomicUsize,
     released: AtomicUsize,
     fenced: AtomicUsize,
+    blocked: AtomicUsize,
+    unblocked: AtomicUsize,
 }
 
 #[derive(Clone, Default)]
@@ -114,6 +116,12 @@ impl Metrics for CountingMetrics {
     }
     fn fenced(&self, n: usize) {
         self.0.fenced.fetch_add(n, Ordering::SeqCst);
+    }
+    fn blocked(&self, _: &PublishError) {
+        self.0.blocked.fetch_add(1, Ordering::SeqCst);
+    }
+    fn unblocked(&self, _: Duration) {
+        self.0.unblocked.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -247,42 +255,50 @@ async fn committed_is_published_once_with_every_field_and_rolled_back_never() {
     assert_eq!(f.count("status = 'sent' AND sent_at IS NOT NULL").await, 1);
 }
 
-/// A relay that has published its one row and hangs until the returned `Notify` fires,
-/// then fails with `late()`: the late outcome of a relay whose lease ran out. Returns once
-/// it has published.
+/// A relay whose outcome for its one row comes late: it has published and failed with
+/// `late()`, but cannot record that until the returned connection (its pool's only one) is
+/// dropped, by which time its lease has run out. Returns once it is waiting to record.
 async fn stale_relay(
     f: &Fixture,
     late: fn() -> PublishError,
 ) -> (
     tokio::task::JoinHandle<Result<usize, Error>>,
-    Arc<Notify>,
+    bb8::PooledConnection<
+        'static,
+        diesel_async::pooled_connection::AsyncDieselConnectionManager<
+            diesel_async::AsyncPgConnection,
+        >,
+    >,
     CountingMetrics,
 ) {
-    let calls = Arc::new(AtomicUsize::new(0));
+    let started = Arc::new(Notify::new());
     let release = Arc::new(Notify::new());
     let metrics = CountingMetrics::default();
-    let (counted, released) = (calls.clone(), release.clone());
+    let (starting, released) = (started.clone(), release.clone());
     let publisher = publisher_fn(move |_record| {
-        let (counted, released) = (counted.clone(), released.clone());
+        let (starting, released) = (starting.clone(), released.clone());
         async move {
-            counted.fetch_add(1, Ordering::SeqCst);
+            starting.notify_one();
             released.notified().await;
             Err(late())
         }
     });
+    let pool = common::pool(1).await;
     let stale = f
         .outbox
-        .relay(f.pool.clone(), publisher)
-        .lease(Duration::from_millis(300))
+        .relay(pool.clone(), publisher)
+        .lease(Duration::from_secs(1))
+        .drain_timeout(Duration::from_millis(100))
         .metrics(metrics.clone())
         .build()
         .unwrap();
     let task = tokio::spawn(async move { stale.run_once().await });
-    eventually(DEADLINE, "the stale relay to publish", || async {
-        (AtomicUsize::load(&calls, Ordering::SeqCst) == 1).then_some(())
-    })
-    .await;
-    (task, release, metrics)
+    tokio::time::timeout(DEADLINE, started.notified())
+        .await
+        .expect("the stale relay publishes");
+    let held = pool.get_owned().await.unwrap();
+    release.notify_one();
+    (task, held, metrics)
 }
 
 #[tokio::test]
@@ -290,7 +306,7 @@ async fn a_stale_relay_after_lease_expiry_is_fenced() {
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "x").key("k")).await;
 
-    let (stale_task, release, stale_metrics) =
+    let (stale_task, held, stale_metrics) =
         stale_relay(&f, || PublishError::transient("late failure")).await;
 
     // After the lease a second relay publishes the same key.
@@ -310,7 +326,7 @@ async fn a_stale_relay_after_lease_expiry_is_fenced() {
     assert_eq!(before.fencing_token, 2);
 
     // The stale relay's late failure would make the row pending again: it changes nothing.
-    release.notify_one();
+    drop(held);
     assert_eq!(stale_task.await.unwrap().unwrap(), 1);
     let after = f.row("k").await;
     assert_eq!(after.status, "sent");
@@ -324,7 +340,7 @@ async fn a_stale_claim_survives_neither_redrive_nor_a_new_claim() {
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "x").key("k")).await;
 
-    let (stale_task, release, stale_metrics) =
+    let (stale_task, held, stale_metrics) =
         stale_relay(&f, || PublishError::permanent("late permanent failure")).await;
 
     // Token 2: a permanent failure kills the row; redrive brings it back (token kept).
@@ -360,7 +376,7 @@ async fn a_stale_claim_survives_neither_redrive_nor_a_new_claim() {
     assert_eq!(f.row("k").await.fencing_token, 3);
 
     // Token 1 comes back with a permanent failure: fenced, the row stays sent.
-    release.notify_one();
+    drop(held);
     stale_task.await.unwrap().unwrap();
     let after = f.row("k").await;
     assert_eq!(after.status, "sent");
@@ -487,7 +503,8 @@ async fn a_row_that_hangs_every_relay_ends_dead_after_max_attempts() {
             }),
         )
         .max_attempts(3)
-        .lease(Duration::from_millis(200))
+        .lease(Duration::from_secs(1))
+        .drain_timeout(Duration::from_millis(100))
         .build()
         .unwrap();
 
@@ -956,6 +973,15 @@ async fn invalid_relay_options_are_rejected_at_build() {
             "inbox_retention",
             build(relay().inbox_retention(Some(Duration::ZERO))),
         ),
+        (
+            "drain_timeout",
+            build(
+                relay()
+                    .lease(Duration::from_secs(1))
+                    .drain_timeout(Duration::from_millis(600)),
+            ),
+        ),
+        ("max_batch_bytes", build(relay().max_batch_bytes(0))),
     ];
     for (option, err) in cases {
         assert!(matches!(err, Error::InvalidOption(_)), "{option}: {err:?}");
@@ -1449,4 +1475,383 @@ async fn a_claim_keeps_to_its_byte_budget_and_always_takes_one_row() {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("max_batch_bytes"), "{err}");
+}
+
+/// Waits until `keys` are all published (each once), or panics after `within`.
+async fn wait_published(recorder: &Recorder, keys: &[&str], within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let published = recorder.keys();
+        if keys.iter().all(|k| published.iter().any(|p| p == k)) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after {within:?} only {published:?} of {keys:?} were published"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Asserts every key in `keys` was published exactly once, on its first attempt, and is
+/// recorded as sent after that one attempt.
+async fn sent_once_on_first_attempt(f: &mut Fixture, recorder: &Recorder, keys: &[&str]) {
+    for key in keys {
+        let attempts: Vec<u32> = recorder
+            .records()
+            .iter()
+            .filter(|r| r.key == *key)
+            .map(|r| r.attempt)
+            .collect();
+        assert_eq!(attempts, [1], "{key} published once, on its first attempt");
+        let row = f.row(key).await;
+        assert_eq!((row.status.as_str(), row.attempts), ("sent", 1), "{key}");
+    }
+}
+
+/// Rows [a, poison, c]: a publish that never finishes must cost nothing but itself. Its
+/// neighbours are recorded as sent once, on their first attempt; the poison row alone fails
+/// ("publish timed out") on each attempt and ends dead; and three hung batches do not stop
+/// the relay claiming and publishing other work meanwhile.
+#[tokio::test]
+async fn a_hung_publish_costs_only_itself_and_the_relay_keeps_claiming() {
+    let mut f = fixture().await;
+    for key in ["a", "poison-1", "c", "poison-2", "d", "poison-3"] {
+        f.enqueue(Message::new("t", key).key(key)).await;
+    }
+    let recorder = Recorder::default();
+    let hung = Arc::new(AtomicUsize::new(0));
+    let publisher = {
+        let (recorder, hung) = (recorder.clone(), hung.clone());
+        publisher_fn(move |record: Record| {
+            let (recorder, hung) = (recorder.clone(), hung.clone());
+            async move {
+                if record.key.starts_with("poison") {
+                    hung.fetch_add(1, Ordering::SeqCst);
+                    std::future::pending::<()>().await;
+                }
+                recorder.publish(&record).await
+            }
+        })
+    };
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .batch_size(2)
+        .lease(Duration::from_secs(6))
+        .drain_timeout(Duration::from_secs(1))
+        .max_attempts(2)
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    wait_published(&recorder, &["a", "c", "d"], DEADLINE).await;
+    // Three batches now hang on their poison rows. Fresh work still goes out, long before
+    // the hung publishes reach their deadline (half the lease, 3 s).
+    for key in ["fresh-1", "fresh-2", "fresh-3", "fresh-4", "fresh-5"] {
+        f.enqueue(Message::new("t", key).key(key)).await;
+    }
+    wait_published(
+        &recorder,
+        &["fresh-1", "fresh-2", "fresh-3", "fresh-4", "fresh-5"],
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(
+        f.count("idempotency_key LIKE 'poison%' AND attempts = 1 AND last_error IS NULL")
+            .await,
+        3,
+        "the fresh work went out while the poison rows still hung on their first attempt"
+    );
+    f.wait_rows("idempotency_key LIKE 'poison%' AND status = 'dead'", 3)
+        .await;
+    stop_relay(stop, task).await;
+    for key in ["poison-1", "poison-2", "poison-3"] {
+        let row = f.row(key).await;
+        assert_eq!(row.attempts, 2, "{key}");
+        assert!(
+            row.last_error
+                .as_deref()
+                .unwrap_or_default()
+                .contains("timed out"),
+            "{key}: {:?}",
+            row.last_error
+        );
+    }
+    assert_eq!(
+        AtomicUsize::load(&hung, Ordering::SeqCst),
+        6,
+        "two attempts each"
+    );
+    sent_once_on_first_attempt(
+        &mut f,
+        &recorder,
+        &[
+            "a", "c", "d", "fresh-1", "fresh-2", "fresh-3", "fresh-4", "fresh-5",
+        ],
+    )
+    .await;
+}
+
+/// A publisher future that panics fails its own record only ("publisher panicked").
+#[tokio::test]
+async fn a_panicking_publish_fails_only_its_own_record() {
+    let mut f = fixture().await;
+    for key in ["a", "boom", "c"] {
+        f.enqueue(Message::new("t", key).key(key)).await;
+    }
+    let recorder = Recorder::default();
+    let relay = f
+        .outbox
+        .relay(
+            f.pool.clone(),
+            recorder.failing(|record| {
+                assert!(record.key != "boom", "the publisher's own bug");
+                None
+            }),
+        )
+        .lease(Duration::from_secs(1))
+        .drain_timeout(Duration::from_millis(500))
+        .max_attempts(2)
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .poll_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_rows("idempotency_key = 'boom' AND status = 'dead'", 1)
+        .await;
+    stop_relay(stop, task).await;
+    let boom = f.row("boom").await;
+    assert_eq!(boom.attempts, 2);
+    assert!(
+        boom.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("panicked"),
+        "{:?}",
+        boom.last_error
+    );
+    sent_once_on_first_attempt(&mut f, &recorder, &["a", "c"]).await;
+}
+
+/// A pipelining publisher whose batch confirms every record but one, and then never ends:
+/// the confirmed ones are recorded; the missing one alone times out.
+#[tokio::test]
+async fn a_pipelined_batch_missing_one_result_records_the_others() {
+    struct MissingOne(Recorder);
+    impl Publisher for MissingOne {
+        async fn publish(&self, _: &Record) -> Result<(), PublishError> {
+            unreachable!("publishes batches")
+        }
+        fn publish_batch<'a>(
+            &'a self,
+            records: &'a [Record],
+        ) -> Option<diesel_outbox::BatchResults<'a>> {
+            use futures_util::StreamExt;
+            let done: Vec<(usize, Result<(), PublishError>)> = records
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.key != "poison")
+                .map(|(i, r)| {
+                    self.0.0.lock().unwrap().push(r.clone());
+                    (i, Ok(()))
+                })
+                .collect();
+            Some(
+                futures_util::stream::iter(done)
+                    .chain(futures_util::stream::pending())
+                    .boxed(),
+            )
+        }
+    }
+    let mut f = fixture().await;
+    for key in ["a", "poison", "c"] {
+        f.enqueue(Message::new("t", key).key(key)).await;
+    }
+    let recorder = Recorder::default();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), MissingOne(recorder.clone()))
+        .lease(Duration::from_secs(1))
+        .drain_timeout(Duration::from_millis(500))
+        .max_attempts(2)
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .poll_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_rows("idempotency_key = 'poison' AND status = 'dead'", 1)
+        .await;
+    stop_relay(stop, task).await;
+    assert!(
+        f.row("poison")
+            .await
+            .last_error
+            .unwrap_or_default()
+            .contains("timed out")
+    );
+    sent_once_on_first_attempt(&mut f, &recorder, &["a", "c"]).await;
+}
+
+/// Shutdown takes the drain timeout and about a second more, even when outcomes cannot be
+/// recorded (here: the pool's only connection is taken).
+#[tokio::test]
+async fn shutdown_is_bounded_by_the_drain_timeout_even_without_a_connection() {
+    let mut f = fixture().await;
+    f.enqueue(Message::new("t", "x").key("hangs")).await;
+    let started = Arc::new(Notify::new());
+    let pool = common::pool(1).await;
+    let relay = {
+        let started = started.clone();
+        f.outbox
+            .relay(
+                pool.clone(),
+                publisher_fn(move |_| {
+                    let started = started.clone();
+                    async move {
+                        started.notify_one();
+                        std::future::pending::<Result<(), PublishError>>().await
+                    }
+                }),
+            )
+            .drain_timeout(Duration::from_millis(200))
+            .without_notify()
+            .build()
+            .unwrap()
+    };
+    let (stop, task) = spawn_relay(relay);
+    tokio::time::timeout(DEADLINE, started.notified())
+        .await
+        .expect("the publish started");
+    let held = pool.get().await.unwrap();
+    let stopped_at = Instant::now();
+    let _ = stop.send(());
+    let result = tokio::time::timeout(Duration::from_secs(10), task).await;
+    let took = stopped_at.elapsed();
+    drop(held);
+    result.expect("run_until returned").unwrap().unwrap();
+    assert!(
+        took < Duration::from_millis(200) + Duration::from_secs(2),
+        "run_until returned {took:?} after shutdown"
+    );
+}
+
+/// A publisher that says the broker is unavailable: the relay releases without spending
+/// attempts and backs off as a whole (no hot loop), reports the outage once through
+/// `Metrics`, and publishes everything on its first attempt once the broker answers.
+#[tokio::test]
+async fn an_unavailable_broker_makes_the_relay_hold_off_without_spending_attempts() {
+    let mut f = fixture().await;
+    for i in 0..20 {
+        f.enqueue(Message::new("t", "x").key(format!("k{i:02}")))
+            .await;
+    }
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let tries = Arc::new(AtomicUsize::new(0));
+    let recorder = Recorder::default();
+    let publisher = {
+        let (down, tries) = (down.clone(), tries.clone());
+        recorder.failing(move |_| {
+            tries.fetch_add(1, Ordering::SeqCst);
+            std::sync::atomic::AtomicBool::load(&down, Ordering::SeqCst)
+                .then(|| PublishError::unavailable("connection refused"))
+        })
+    };
+    let metrics = CountingMetrics::default();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .max_attempts(1)
+        .backoff(Duration::from_millis(50), Duration::from_millis(200))
+        .poll_interval(Duration::from_millis(20))
+        .metrics(metrics.clone())
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    let outage = Duration::from_secs(2);
+    tokio::time::sleep(outage).await;
+    let tried = AtomicUsize::load(&tries, Ordering::SeqCst);
+    assert_eq!(f.count("status = 'pending' AND attempts = 0").await, 20);
+    // Backing off from 50 ms to 200 ms: a dozen tries of a few records each, not a loop.
+    assert!(
+        tried > 0 && tried < 100,
+        "{tried} publishes tried in {outage:?}"
+    );
+    assert_eq!(metrics.get(|c| &c.blocked), 1, "one outage");
+    assert_eq!(metrics.get(|c| &c.failed), 0, "no message failed");
+    assert!(
+        f.outbox
+            .stats(&mut f.conn)
+            .await
+            .unwrap()
+            .blocked_for
+            .is_some()
+    );
+
+    down.store(false, Ordering::SeqCst);
+    f.wait_rows("status = 'sent' AND attempts = 1", 20).await;
+    stop_relay(stop, task).await;
+    assert_eq!(metrics.get(|c| &c.unblocked), 1);
+    assert!(recorder.records().iter().all(|r| r.attempt == 1));
+    assert_eq!(f.outbox.stats(&mut f.conn).await.unwrap().blocked_for, None);
+}
+
+/// The publisher's own timeout must fit in the time the relay allows a publish.
+#[tokio::test]
+async fn a_publisher_timeout_longer_than_half_the_lease_is_rejected_at_build() {
+    struct Slow;
+    impl Publisher for Slow {
+        async fn publish(&self, _: &Record) -> Result<(), PublishError> {
+            Ok(())
+        }
+        fn timeout(&self) -> Option<Duration> {
+            Some(Duration::from_secs(20))
+        }
+    }
+    let f = fixture().await;
+    let err = f
+        .outbox
+        .relay(f.pool.clone(), Slow)
+        .build()
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidOption(_)), "{err:?}");
+    assert!(err.to_string().contains("half the lease"), "{err}");
+    f.outbox
+        .relay(f.pool.clone(), Slow)
+        .lease(Duration::from_secs(40))
+        .build()
+        .unwrap();
+}
+
+/// Each `run_until` is a relay of its own: two clones running at once are two relays, each
+/// with its own record, and together publish every key once.
+#[tokio::test]
+async fn two_clones_running_at_once_are_two_relays() {
+    let mut f = fixture().await;
+    let recorder = Recorder::default();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), recorder.clone())
+        .batch_size(10)
+        .build()
+        .unwrap();
+    let first = spawn_relay(relay.clone());
+    let second = spawn_relay(relay.clone());
+    f.wait_idle_relays(2).await;
+    let msgs = (0..100)
+        .map(|i| Message::new("t", "x").key(format!("k{i:03}")))
+        .collect();
+    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.wait_rows("status = 'sent'", 100).await;
+    for (stop, task) in [first, second] {
+        stop_relay(stop, task).await;
+    }
+    let mut keys = recorder.keys();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), recorder.len(), "a key published twice");
+    assert_eq!(keys.len(), 100);
+    assert!(!relay.listening());
 }

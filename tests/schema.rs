@@ -68,7 +68,7 @@ async fn migrate_repeatedly_and_concurrently(outbox: Outbox, schema: &TestSchema
     assert!(table_exists(&mut conn, &format!("{t}_inbox")).await);
     assert_eq!(
         versions(&mut conn, &format!("{t}_migrations")).await,
-        vec![1]
+        vec![1, 2]
     );
     outbox
         .enqueue(&mut conn, Message::new("t", "works"))
@@ -146,23 +146,51 @@ fn migrations_folder_equals_the_rendered_default() {
         .map(|e| e.unwrap().path())
         .collect();
     folders.sort();
+    let rendered = Outbox::new().diesel_migrations();
     assert_eq!(
         folders.len(),
-        1,
+        rendered.len(),
         "one migration per schema version: {folders:?}"
     );
-    let (up, down) = Outbox::new().diesel_migration();
-    let read = |name: &str| std::fs::read_to_string(folders[0].join(name)).unwrap();
-    if std::env::var_os("OUTBOX_WRITE_MIGRATIONS").is_some() {
-        std::fs::write(folders[0].join("up.sql"), &up).unwrap();
-        std::fs::write(folders[0].join("down.sql"), &down).unwrap();
+    for (folder, (up, down)) in folders.iter().zip(&rendered) {
+        let read = |name: &str| std::fs::read_to_string(folder.join(name)).unwrap();
+        if std::env::var_os("OUTBOX_WRITE_MIGRATIONS").is_some() {
+            std::fs::write(folder.join("up.sql"), up).unwrap();
+            std::fs::write(folder.join("down.sql"), down).unwrap();
+        }
+        assert_eq!(
+            read("up.sql"),
+            *up,
+            "{folder:?} differs from Outbox::new().diesel_migrations(): rerun this test with \
+             OUTBOX_WRITE_MIGRATIONS=1"
+        );
+        assert_eq!(read("down.sql"), *down, "{folder:?}");
     }
-    assert_eq!(
-        read("up.sql"),
-        up,
-        "migrations/ differs from Outbox::new().sql(): rerun this test with OUTBOX_WRITE_MIGRATIONS=1"
-    );
-    assert_eq!(read("down.sql"), down);
+}
+
+/// A table at schema version 1 (as an earlier release left it) is upgraded by `migrate`.
+#[tokio::test]
+async fn migrate_upgrades_a_table_left_at_version_one() {
+    use diesel_async::SimpleAsyncConnection;
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("old"))
+        .build()
+        .unwrap();
+    let (v1, _) = outbox.diesel_migrations().remove(0);
+    conn.batch_execute(&v1).await.unwrap();
+    let migrations_table = format!("{}_migrations", outbox.table());
+    assert_eq!(versions(&mut conn, &migrations_table).await, vec![1]);
+    outbox.migrate(&mut conn).await.unwrap();
+    assert_eq!(versions(&mut conn, &migrations_table).await, vec![1, 2]);
+    let stats = outbox.stats(&mut conn).await.unwrap();
+    assert_eq!(stats.blocked_for, None);
+    // And every version's down.sql takes it back, newest first.
+    for (_, down) in outbox.diesel_migrations().iter().rev() {
+        conn.batch_execute(down).await.unwrap();
+    }
+    assert!(!table_exists(&mut conn, outbox.table()).await);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -176,11 +204,11 @@ async fn embedded_migrations_run_through_diesels_harness() {
     let applied = harness
         .run_pending_migrations(diesel_outbox::MIGRATIONS)
         .unwrap();
-    assert_eq!(applied.len(), 1);
+    assert_eq!(applied.len(), 2);
     let mut conn = harness.into_inner();
 
     // The same schema as `migrate`, which therefore finds nothing to do.
-    assert_eq!(versions(&mut conn, "outbox_migrations").await, vec![1]);
+    assert_eq!(versions(&mut conn, "outbox_migrations").await, vec![1, 2]);
     Outbox::new().migrate(&mut conn).await.unwrap();
     conn.enqueue(Message::new("t", "x")).await.unwrap();
     let n: Count = diesel::sql_query("SELECT count(*) AS n FROM outbox")
@@ -204,7 +232,7 @@ async fn sql_statements_build_the_same_schema() {
     }
     assert_eq!(
         versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
-        vec![1]
+        vec![1, 2]
     );
     outbox.migrate(&mut conn).await.unwrap();
     outbox

@@ -48,11 +48,15 @@ struct Cli {
 enum Command {
     /// Create or upgrade the outbox and inbox tables (safe to run on every start).
     Migrate,
-    /// Print the schema statements, or write them as a diesel CLI migration folder.
+    /// Print the schema statements, or write them as diesel CLI migration folders.
     Sql {
-        /// Write `<DIR>/<timestamp>_create_<table>/{up,down}.sql` instead of printing.
+        /// Write one `<DIR>/<timestamp>_<name>/{up,down}.sql` per schema version instead of
+        /// printing.
         #[arg(long)]
         dir: Option<PathBuf>,
+        /// Only this schema version (for an app that has the earlier ones already).
+        #[arg(long)]
+        version: Option<usize>,
     },
     /// Show pending, in-flight, sent and dead counts and the lag.
     Stats,
@@ -198,8 +202,8 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Result<(), Failure> {
     let outbox = Outbox::builder().table(&cli.table).build()?;
-    if let Command::Sql { dir } = &cli.command {
-        return sql(&outbox, dir.as_deref(), cli.json);
+    if let Command::Sql { dir, version } = &cli.command {
+        return sql(&outbox, dir.as_deref(), *version, cli.json);
     }
     let url = cli.database_url.clone().ok_or_else(|| {
         Failure::new(
@@ -262,27 +266,67 @@ fn print(json: bool, value: serde_json::Value, human: impl FnOnce() -> String) {
     }
 }
 
-fn sql(outbox: &Outbox, dir: Option<&std::path::Path>, json: bool) -> Result<(), Failure> {
+fn sql(
+    outbox: &Outbox,
+    dir: Option<&std::path::Path>,
+    version: Option<usize>,
+    json: bool,
+) -> Result<(), Failure> {
+    let migrations = outbox.diesel_migrations();
+    if let Some(v) = version
+        && !(1..=migrations.len()).contains(&v)
+    {
+        return Err(Failure::new(
+            USAGE,
+            format!(
+                "--version {v}: this crate knows versions 1 to {}",
+                migrations.len()
+            ),
+        ));
+    }
+    let chosen: Vec<(usize, &(String, String))> = (1..)
+        .zip(&migrations)
+        .filter(|(v, _)| version.is_none_or(|wanted| wanted == *v))
+        .collect();
     let Some(dir) = dir else {
-        let statements = outbox.sql();
+        let statements = if version.is_none() {
+            outbox.sql()
+        } else {
+            chosen.iter().map(|(_, (up, _))| up.clone()).collect()
+        };
         print(json, json!({ "statements": statements }), || {
-            outbox.diesel_migration().0
+            chosen
+                .iter()
+                .map(|(_, (up, _))| up.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
         });
         return Ok(());
     };
-    let (up, down) = outbox.diesel_migration();
-    let name = format!(
-        "{}_create_{}",
-        chrono::Utc::now().format("%Y-%m-%d-%H%M%S"),
-        outbox.table().replace('.', "_")
-    );
-    let folder = dir.join(name);
-    std::fs::create_dir_all(&folder)
-        .and_then(|()| std::fs::write(folder.join("up.sql"), up))
-        .and_then(|()| std::fs::write(folder.join("down.sql"), down))
-        .map_err(|e| Failure::new(1, format!("cannot write {}: {e}", folder.display())))?;
-    print(json, json!({ "migration": folder }), || {
-        format!("wrote {}", folder.display())
+    // One folder per schema version, named so that the diesel CLI applies them in order.
+    let now = chrono::Utc::now();
+    let table = outbox.table().replace('.', "_");
+    let mut written = Vec::new();
+    for (version, (up, down)) in chosen {
+        let at = now + chrono::Duration::seconds(i64::try_from(version).unwrap_or(0) - 1);
+        let name = if version == 1 {
+            format!("{}_create_{table}", at.format("%Y-%m-%d-%H%M%S"))
+        } else {
+            format!("{}_{table}_v{version}", at.format("%Y-%m-%d-%H%M%S"))
+        };
+        let folder = dir.join(name);
+        std::fs::create_dir_all(&folder)
+            .and_then(|()| std::fs::write(folder.join("up.sql"), up))
+            .and_then(|()| std::fs::write(folder.join("down.sql"), down))
+            .map_err(|e| Failure::new(1, format!("cannot write {}: {e}", folder.display())))?;
+        written.push(folder);
+    }
+    print(json, json!({ "migrations": written }), || {
+        written
+            .iter()
+            .map(|f| format!("wrote {}", f.display()))
+            .collect::<Vec<_>>()
+            .join("\n")
     });
     Ok(())
 }

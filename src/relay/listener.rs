@@ -2,7 +2,7 @@
 
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
@@ -16,11 +16,37 @@ const RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// A silently dead connection delivers nothing; a round trip this often finds out.
 const HEALTH_CHECK: Duration = Duration::from_secs(15);
 
-/// State shared between the relay loop and its listener.
-#[derive(Debug, Default)]
+/// State shared between a relay run and its listener.
+#[derive(Debug)]
 pub(crate) struct Wake {
     pub(crate) notify: Notify,
-    pub(crate) listening: AtomicBool,
+    listening: AtomicBool,
+    /// Runs of the relay holding their LISTEN connection.
+    relay_listening: Arc<AtomicUsize>,
+}
+
+impl Wake {
+    pub(crate) fn new(relay_listening: Arc<AtomicUsize>) -> Self {
+        Wake {
+            notify: Notify::new(),
+            listening: AtomicBool::new(false),
+            relay_listening,
+        }
+    }
+
+    pub(crate) fn listening(&self) -> bool {
+        self.listening.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_listening(&self, listening: bool) {
+        if self.listening.swap(listening, Ordering::SeqCst) != listening {
+            if listening {
+                self.relay_listening.fetch_add(1, Ordering::SeqCst);
+            } else {
+                self.relay_listening.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
 }
 
 /// Holds a LISTEN forever: on each notification wakes the relay; on loss reconnects with
@@ -32,12 +58,12 @@ pub(crate) async fn run(pool: PgPool, listen_sql: String, table: String, wake: A
         let failure = match pool.dedicated_connection().await {
             Ok(mut conn) => match conn.batch_execute(&listen_sql).await {
                 Ok(()) => {
-                    wake.listening.store(true, Ordering::SeqCst);
+                    wake.set_listening(true);
                     delay = RECONNECT_MIN;
                     tracing::debug!(table = %table, "relay listening for wake-ups");
                     wake.notify.notify_one();
                     let why = hold(&mut conn, &wake).await;
-                    wake.listening.store(false, Ordering::SeqCst);
+                    wake.set_listening(false);
                     why
                 }
                 Err(e) => format!("LISTEN failed: {e}"),

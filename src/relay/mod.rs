@@ -3,13 +3,14 @@
 mod janitor;
 mod listener;
 mod options;
+mod outage;
 mod publish;
 mod store;
 
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
@@ -25,6 +26,8 @@ use crate::publisher::Publisher;
 
 use self::listener::Wake;
 use self::options::Options;
+use self::outage::Outage;
+use self::publish::Slot;
 use self::store::{Batch, Outcome};
 
 /// The connection pool a relay takes its connections from.
@@ -32,6 +35,9 @@ use self::store::{Batch, Outcome};
 /// bb8 tests each checkout with a round trip by default; for the relay's hot path build it
 /// with `.test_on_check_out(false)` (broken connections are still detected and replaced).
 pub type PgPool = diesel_async::pooled_connection::bb8::Pool<AsyncPgConnection>;
+
+type PooledConnection<'a> =
+    diesel_async::pooled_connection::bb8::PooledConnection<'a, AsyncPgConnection>;
 
 impl Outbox {
     /// A relay for this table, publishing through `publisher`, with connections from
@@ -162,10 +168,15 @@ impl<P: Publisher> RelayBuilder<P> {
 
     /// Checks the options and builds the relay.
     ///
+    /// Besides each option's own range, the options must fit together: a publish may take
+    /// half the lease (then the relay abandons it and records a "publish timed out"
+    /// failure), so the publisher's own timeout ([`Publisher::timeout`], for RabbitMQ its
+    /// confirm timeout) and the `drain_timeout` must each be at most half the lease.
+    ///
     /// # Errors
     /// [`Error::InvalidOption`] naming the option and its valid range.
     pub fn build(self) -> Result<Relay<P>> {
-        self.options.validate()?;
+        self.options.validate(self.publisher.timeout())?;
         Ok(Relay {
             inner: Arc::new(Inner {
                 outbox: self.outbox,
@@ -173,8 +184,8 @@ impl<P: Publisher> RelayBuilder<P> {
                 publisher: self.publisher,
                 options: self.options,
                 metrics: self.metrics,
-                wake: Arc::new(Wake::default()),
-                id: uuid::Uuid::new_v4().to_string(),
+                outage: Outage::default(),
+                listening: Arc::new(AtomicUsize::new(0)),
             }),
         })
     }
@@ -182,9 +193,11 @@ impl<P: Publisher> RelayBuilder<P> {
 
 /// Ships committed outbox rows to a [`Publisher`], at least once.
 ///
-/// Cheap to clone: clones share one relay's state. Run one or many relays (in one process
-/// or many) on the same table; leases and fencing keep them from publishing a row twice
-/// except after a lease expiry or a crash.
+/// Cheap to clone: clones share the configuration, the publisher and the metrics. Each call
+/// of [`Relay::run_until`] is a relay of its own (its own id, LISTEN connection and lease
+/// holder), so running two clones at once gives two relays. Run one or many relays (in one
+/// process or many) on the same table; leases and fencing keep them from publishing a row
+/// twice except after a lease expiry or a crash.
 pub struct Relay<P> {
     inner: Arc<Inner<P>>,
 }
@@ -202,10 +215,7 @@ impl<P> std::fmt::Debug for Relay<P> {
         f.debug_struct("Relay")
             .field("outbox", &self.inner.outbox)
             .field("options", &self.inner.options)
-            .field(
-                "listening",
-                &self.inner.wake.listening.load(Ordering::SeqCst),
-            )
+            .field("listening", &self.listening())
             .finish_non_exhaustive()
     }
 }
@@ -216,13 +226,30 @@ struct Inner<P> {
     publisher: P,
     options: Options,
     metrics: Arc<dyn Metrics>,
-    wake: Arc<Wake>,
-    /// Names this relay in the `<table>_relays` idle records.
+    /// Whether the broker is reachable; shared by every run, as the publisher is.
+    outage: Outage,
+    /// Runs holding their LISTEN connection.
+    listening: Arc<AtomicUsize>,
+}
+
+/// One run of a relay ([`Relay::run_until`]): what it shares with its listener.
+struct Run {
+    /// Names this run in `<table>_relays`.
     id: String,
+    /// True once shutdown was asked for.
+    stop: watch::Receiver<bool>,
+    wake: Arc<Wake>,
+    /// Batches that gave their publishing slot back while a slow publish finishes.
+    stalled: Arc<AtomicUsize>,
 }
 
 /// Claimed batches publishing at once.
 const PIPELINE: usize = 3;
+/// Stalled batches (waiting only on slow publishes) the relay keeps beside its pipeline
+/// before it waits for their deadlines.
+const MAX_STALLED: usize = 3 * PIPELINE;
+/// At shutdown, recording outcomes may take this long after the drain timeout.
+const RECORD_GRACE: Duration = Duration::from_secs(1);
 /// While batches are in flight, the relay looks for new work this often, and half as often
 /// after each look that found nothing, down to once per [`BUSY_POLL_MAX`] (and never less
 /// often than the poll interval).
@@ -253,30 +280,50 @@ impl Drop for AbortOnDrop {
     }
 }
 
+impl<P> Relay<P> {
+    /// True while a run of this relay holds its LISTEN connection (so a commit wakes it at
+    /// once).
+    pub fn listening(&self) -> bool {
+        self.inner.listening.load(Ordering::SeqCst) > 0
+    }
+}
+
 impl<P: Publisher> Relay<P> {
     /// Runs until `shutdown` completes, then drains and returns.
     ///
     /// After `shutdown` the relay claims nothing more. Publishes under way get the
     /// `drain_timeout` and their outcomes are recorded; claimed records not yet started,
     /// and publishes cut off by the timeout, are released at once with their attempt
-    /// restored. Also runs the LISTEN connection (unless `without_notify`) and the
-    /// retention janitor (unless both retentions are `None`) while it runs.
+    /// restored. It returns within the drain timeout and about a second more, whether or
+    /// not the database answers. Also runs the LISTEN connection (unless `without_notify`)
+    /// and the retention janitor (unless both retentions are `None`) while it runs.
     ///
-    /// Database and publish failures are logged and retried; dropping the future stops the
-    /// relay without draining (its claims then wait for their lease to end).
+    /// Database and publish failures are logged and retried; a broker that cannot be
+    /// reached makes the relay hold off (see [`PublishError::unavailable`]). Dropping the
+    /// future stops the relay without draining (its claims then wait for their lease to
+    /// end).
+    ///
+    /// [`PublishError::unavailable`]: crate::PublishError::unavailable
     ///
     /// # Errors
     /// [`Error::NotMigrated`] when the table does not exist.
     pub async fn run_until(&self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let inner = &self.inner;
         let table = inner.outbox.table().to_owned();
-        tracing::info!(table = %table, options = ?inner.options, "relay started");
+        let (stop, stopping) = watch::channel(false);
+        let run = Run {
+            id: uuid::Uuid::new_v4().to_string(),
+            stop: stopping.clone(),
+            wake: Arc::new(Wake::new(inner.listening.clone())),
+            stalled: Arc::new(AtomicUsize::new(0)),
+        };
+        tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
         let listener = inner.options.listen.then(|| {
             AbortOnDrop(tokio::spawn(listener::run(
                 inner.pool.clone(),
                 inner.outbox.statements().listen.clone(),
                 table.clone(),
-                inner.wake.clone(),
+                run.wake.clone(),
             )))
         });
         let _janitor = (inner.options.retention.is_some()
@@ -290,30 +337,31 @@ impl<P: Publisher> Relay<P> {
             )))
         });
 
-        let (stop, stopping) = watch::channel(false);
-        let run = self.run(stopping);
-        let mut run = pin!(run);
+        let running = self.run(&run, stopping);
+        let mut running = pin!(running);
         let mut shutdown = pin!(shutdown.fuse());
         let result = loop {
             tokio::select! {
-                result = &mut run => break result,
+                result = &mut running => break result,
                 () = &mut shutdown => {
                     let _ = stop.send(true);
                 }
             }
         };
         drop(listener);
-        inner.wake.listening.store(false, Ordering::SeqCst);
-        tracing::info!(table = %table, "relay stopped");
+        run.wake.set_listening(false);
+        tracing::info!(table = %table, relay = %run.id, "relay stopped");
         result
     }
 
     /// The relay loop. Up to [`PIPELINE`] claimed batches publish at once, each on a task of
     /// its own that then records the outcomes, and one more batch waits claimed, ready to
     /// go the moment a publishing slot frees: a broker that confirms in bursts is fed again
-    /// at once instead of waiting for a claim. Returns once `stop` is true and every batch
-    /// in flight was drained (a batch still waiting is released).
-    async fn run(&self, stop: watch::Receiver<bool>) -> Result<()> {
+    /// at once instead of waiting for a claim. A batch that waits only on a slow publish
+    /// gives its slot back (up to [`MAX_STALLED`] such batches). While the broker is
+    /// unavailable the relay claims only after its outage backoff. Returns once `stop` is
+    /// true and every batch in flight was drained (a batch still waiting is released).
+    async fn run(&self, run: &Run, stop: watch::Receiver<bool>) -> Result<()> {
         let inner = &self.inner;
         let table = inner.outbox.table();
         let mut stopped = stop.clone();
@@ -325,20 +373,27 @@ impl<P: Publisher> Relay<P> {
         let mut claim_more = true;
         // Fruitless looks for new work while batches are under way; each one waits longer.
         let mut fruitless = 0u32;
+        // What this run last wrote of its outage into `<table>_relays`, and when.
+        let mut blocked_written: (Option<Instant>, Instant) = (None, Instant::now());
         let result = 'run: loop {
             let stopping = *stop.borrow();
             if stopping {
                 break Ok(());
             }
+            self.sync_blocked(run, &mut blocked_written).await;
             if ready.is_some()
                 && let Ok(slot) = slots.clone().try_acquire_owned()
             {
                 let batch = ready.take().expect("checked above");
-                self.start(&mut in_flight, batch, Some(slot), &stop);
+                self.start(&mut in_flight, batch, Some(slot), run, &stop);
             }
+            let backing_off = inner.outage.retry_at();
+            let stalled = run.stalled.load(Ordering::SeqCst);
             // Leave room for the batches that are recording, which no longer hold a slot.
-            if claim_more && ready.is_none() && in_flight.len() < 2 * PIPELINE {
-                match self.claim().await {
+            let room =
+                in_flight.len().saturating_sub(stalled) < 2 * PIPELINE && stalled <= MAX_STALLED;
+            if claim_more && ready.is_none() && room && backing_off.is_none() {
+                match self.claim(Some(&run.stop)).await {
                     Ok(batch) if batch.claimed() > 0 => {
                         failures = 0;
                         fruitless = 0;
@@ -363,14 +418,15 @@ impl<P: Publisher> Relay<P> {
                     }
                 }
             }
-            if ready.is_some() || !in_flight.is_empty() {
+            if ready.is_some() || !in_flight.is_empty() || backing_off.is_some() {
                 // Batches are under way: start the waiting one when a slot frees, and look
                 // for new work now and then, so a slow batch does not hold up fresh messages.
                 // A finished batch may have unblocked its aggregates' successors: look again
-                // at once.
+                // at once. While the broker is unavailable, wait for the next try.
                 let busy_poll = (BUSY_POLL * 2u32.saturating_pow(fruitless.min(8)))
                     .min(BUSY_POLL_MAX)
                     .min(inner.options.poll_interval);
+                let next_look = backing_off.unwrap_or_else(|| Instant::now() + busy_poll);
                 tokio::select! {
                     done = in_flight.join_next(), if !in_flight.is_empty() => {
                         if let Some(done) = done {
@@ -380,7 +436,9 @@ impl<P: Publisher> Relay<P> {
                     }
                     // A slot is free: the waiting batch starts at the top of the loop.
                     _ = slots.acquire(), if ready.is_some() => {}
-                    () = tokio::time::sleep(busy_poll), if ready.is_none() => claim_more = true,
+                    () = tokio::time::sleep_until(next_look), if ready.is_none() => claim_more = true,
+                    // Blocked time is kept current in `<table>_relays`.
+                    () = tokio::time::sleep_until(blocked_written.1 + IDLE_REFRESH), if backing_off.is_some() => {}
                     () = until_stopped(&mut stopped) => break Ok(()),
                 }
                 linger_until = Instant::now() + LINGER;
@@ -393,7 +451,7 @@ impl<P: Publisher> Relay<P> {
             claim_more = true;
             if Instant::now() < linger_until {
                 tokio::select! {
-                    () = inner.wake.notify.notified() => {}
+                    () = run.wake.notify.notified() => {}
                     () = self.wait_due() => {}
                     () = until_stopped(&mut stopped) => break Ok(()),
                 }
@@ -402,11 +460,11 @@ impl<P: Publisher> Relay<P> {
 
             // Idle: ask writers to wake us, look once more (a writer may have seen us busy
             // and skipped its NOTIFY), then wait for a wake-up or the poll interval.
-            let registered = self.listening() && self.mark_idle(true).await;
+            let registered = run.wake.listening() && self.mark_idle(run, true).await;
             if registered {
-                match self.claim().await {
+                match self.claim(Some(&run.stop)).await {
                     Ok(batch) if batch.claimed() > 0 => {
-                        self.mark_idle(false).await;
+                        self.mark_idle(run, false).await;
                         claim_more = batch.claimed() >= inner.options.batch_size;
                         ready = Some(batch);
                         continue;
@@ -420,32 +478,33 @@ impl<P: Publisher> Relay<P> {
             loop {
                 let refresh = (Instant::now() + IDLE_REFRESH).min(poll_at);
                 tokio::select! {
-                    () = inner.wake.notify.notified() => break,
+                    () = run.wake.notify.notified() => break,
                     () = tokio::time::sleep_until(refresh) => {
                         if refresh >= poll_at {
                             break;
                         }
                         if registered {
                             // Writers should not pay for NOTIFYs nobody hears.
-                            self.mark_idle(self.listening()).await;
+                            self.mark_idle(run, run.wake.listening()).await;
                         }
                     }
                     () = until_stopped(&mut stopped) => break 'run Ok(()),
                 }
             }
             if registered {
-                self.mark_idle(false).await;
+                self.mark_idle(run, false).await;
             }
         };
         // Shutdown: a batch still waiting is released; batches in flight drain (their tasks
-        // saw `stop`), then are recorded.
+        // saw `stop`), then are recorded, all within the drain timeout and a grace.
         if let Some(batch) = ready {
-            self.start(&mut in_flight, batch, None, &stop);
+            self.start(&mut in_flight, batch, None, run, &stop);
         }
         while let Some(done) = in_flight.join_next().await {
             self.finished(done);
         }
-        self.forget().await;
+        // Housekeeping only: the record lapses by itself.
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.forget(run)).await;
         result
     }
 
@@ -468,40 +527,61 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Publishes a claimed batch and records its outcomes on a task of its own. The
-    /// publishing slot is given back as soon as the publishes are over.
+    /// publishing slot is given back as soon as the publishes are over (or stall).
     fn start(
         &self,
         in_flight: &mut JoinSet<()>,
         batch: Batch,
-        slot: Option<OwnedSemaphorePermit>,
+        permit: Option<OwnedSemaphorePermit>,
+        run: &Run,
         stop: &watch::Receiver<bool>,
     ) {
         let this = self.clone();
         let stop = stop.clone();
+        let slot = Slot::new(permit, run.stalled.clone());
         in_flight.spawn(async move {
-            let outcomes = this.process(batch, stop).await;
-            drop(slot);
-            this.record(&outcomes).await;
+            this.run_batch(batch, stop, slot).await;
         });
     }
 
-    /// Reports a batch task that panicked (a publisher bug). Its rows stay leased: they are
-    /// claimed again after the lease, and die if that keeps happening.
+    /// Reports a batch task that panicked (a bug of the relay: publisher panics are caught
+    /// per record). Its rows stay leased: they are claimed again after the lease, and die
+    /// if that keeps happening.
     fn finished(&self, done: std::result::Result<(), tokio::task::JoinError>) {
         if let Err(e) = done {
             tracing::error!(table = %self.inner.outbox.table(), error = %e, "publishing a batch panicked");
         }
     }
 
-    /// Records whether this relay is idle and listening (writers NOTIFY only then).
+    /// Records whether this run is idle and listening (writers NOTIFY only then).
     /// Returns whether that worked; on failure writers simply do not wake this relay.
-    async fn mark_idle(&self, idle: bool) -> bool {
+    async fn mark_idle(&self, run: &Run, idle: bool) -> bool {
+        let blocked = self.inner.outage.since().map(|since| since.elapsed());
+        self.write_state(run, idle, blocked).await
+    }
+
+    /// Keeps this run's outage in `<table>_relays` current: when it begins or ends, and
+    /// every [`IDLE_REFRESH`] while it lasts (so its record does not lapse).
+    async fn sync_blocked(&self, run: &Run, written: &mut (Option<Instant>, Instant)) {
+        let since = self.inner.outage.since();
+        let due = since.is_some() && written.1.elapsed() >= IDLE_REFRESH;
+        if since != written.0 || due {
+            let blocked = since.map(|s| s.elapsed());
+            if self.write_state(run, false, blocked).await {
+                *written = (since, Instant::now());
+            }
+        }
+    }
+
+    async fn write_state(&self, run: &Run, idle: bool, blocked: Option<Duration>) -> bool {
         let inner = &self.inner;
         let result = async {
-            let mut conn = inner.pool.get().await?;
+            let Some(conn) = self.checkout(Some(&run.stop)).await else {
+                return Ok(());
+            };
             inner
                 .outbox
-                .set_relay_state(&mut conn, &inner.id, idle, IDLE_TTL)
+                .set_relay_state(&mut *conn?, &run.id, idle, IDLE_TTL, blocked)
                 .await
         }
         .await;
@@ -511,12 +591,12 @@ impl<P: Publisher> Relay<P> {
         result.is_ok()
     }
 
-    /// Removes this relay's idle record (and any expired ones).
-    async fn forget(&self) {
+    /// Removes this run's record in `<table>_relays` (and any expired ones).
+    async fn forget(&self, run: &Run) {
         let inner = &self.inner;
         let result = async {
             let mut conn = inner.pool.get().await?;
-            inner.outbox.remove_relay(&mut conn, &inner.id).await
+            inner.outbox.remove_relay(&mut conn, &run.id).await
         }
         .await;
         if let Err(e) = result {
@@ -530,26 +610,41 @@ impl<P: Publisher> Relay<P> {
     /// # Errors
     /// A database or pool error, or [`Error::NotMigrated`].
     pub async fn run_once(&self) -> Result<usize> {
-        let batch = self.claim().await?;
+        let batch = self.claim(None).await?;
         let claimed = batch.claimed();
         if claimed > 0 {
             let (_keep, never) = watch::channel(false);
-            let outcomes = self.process(batch, never).await;
-            self.record(&outcomes).await;
+            let slot = Slot::new(None, Arc::new(AtomicUsize::new(0)));
+            self.run_batch(batch, never, slot).await;
         }
         Ok(claimed)
     }
 
-    /// True while the relay holds its LISTEN connection (so a commit wakes it at once).
-    pub fn listening(&self) -> bool {
-        self.inner.wake.listening.load(Ordering::SeqCst)
+    /// A pooled connection; `None` when `stop` turns true first (a checkout may wait for
+    /// the pool's whole connection timeout, and shutdown must not).
+    async fn checkout(
+        &self,
+        stop: Option<&watch::Receiver<bool>>,
+    ) -> Option<Result<PooledConnection<'_>>> {
+        let get = self.inner.pool.get();
+        let Some(stop) = stop else {
+            return Some(get.await.map_err(Error::from));
+        };
+        let mut stop = stop.clone();
+        tokio::select! {
+            conn = get => Some(conn.map_err(Error::from)),
+            () = until_stopped(&mut stop) => None,
+        }
     }
 
-    /// Claims up to `batch_size` due rows.
-    async fn claim(&self) -> Result<Batch> {
+    /// Claims up to `batch_size` due rows (none once `stop` is true).
+    async fn claim(&self, stop: Option<&watch::Receiver<bool>>) -> Result<Batch> {
         let inner = &self.inner;
         let started = Instant::now();
-        let mut conn = inner.pool.get().await?;
+        let Some(conn) = self.checkout(stop).await else {
+            return Ok(Batch::default());
+        };
+        let mut conn = conn?;
         let batch = inner
             .outbox
             .claim(&mut conn, &inner.options.claim_limits())
@@ -562,41 +657,50 @@ impl<P: Publisher> Relay<P> {
         Ok(batch)
     }
 
-    /// Records outcomes, retrying briefly: a row whose outcome is lost stays leased until
-    /// its lease ends and is then published again.
-    async fn record(&self, outcomes: &[Outcome]) {
+    /// Records outcomes, retrying briefly until `by`: a row whose outcome is lost stays
+    /// leased until its lease ends and is then published again.
+    pub(super) async fn record(&self, outcomes: &[Outcome], by: Instant) {
+        if outcomes.is_empty() {
+            return;
+        }
         let inner = &self.inner;
         let started = Instant::now();
-        let mut delay = Duration::from_millis(50);
-        for attempt in 1..=5 {
-            let result = async {
-                let mut conn = inner.pool.get().await?;
-                inner.outbox.record_outcomes(&mut conn, outcomes).await
-            }
-            .await;
-            match result {
-                Ok(fenced) => {
-                    tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
-                    if fenced > 0 {
-                        tracing::warn!(
-                            table = %inner.outbox.table(), fenced,
-                            "outcomes discarded: another relay took these rows over after our lease ended"
-                        );
-                        inner.metrics.fenced(fenced);
+        let attempts = async {
+            let mut delay = Duration::from_millis(50);
+            let mut attempt = 0u32;
+            loop {
+                attempt += 1;
+                let result = async {
+                    let mut conn = inner.pool.get().await?;
+                    inner.outbox.record_outcomes(&mut conn, outcomes).await
+                }
+                .await;
+                match result {
+                    Ok(fenced) => return Ok(fenced),
+                    Err(e) => {
+                        tracing::warn!(table = %inner.outbox.table(), error = %e, attempt, "recording outcomes failed; retrying");
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(1));
                     }
-                    return;
                 }
-                Err(e) if attempt < 5 => {
-                    tracing::warn!(table = %inner.outbox.table(), error = %e, "recording outcomes failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
-                }
-                Err(e) => {
-                    tracing::error!(
-                        table = %inner.outbox.table(), error = %e, rows = outcomes.len(),
-                        "recording outcomes failed; the rows will be published again after their lease"
+            }
+        };
+        match tokio::time::timeout_at(by, attempts).await {
+            Ok(Ok::<usize, Error>(fenced)) => {
+                tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
+                if fenced > 0 {
+                    tracing::warn!(
+                        table = %inner.outbox.table(), fenced,
+                        "outcomes discarded: another relay took these rows over after our lease ended"
                     );
+                    inner.metrics.fenced(fenced);
                 }
+            }
+            Ok(Err(_)) | Err(_) => {
+                tracing::error!(
+                    table = %inner.outbox.table(), rows = outcomes.len(),
+                    "recording outcomes failed; the rows will be published again after their lease"
+                );
             }
         }
     }

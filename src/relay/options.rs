@@ -49,7 +49,10 @@ impl Default for Options {
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 impl Options {
-    pub(crate) fn validate(&self) -> Result<()> {
+    /// Checks each option's range, and that the timeouts fit the lease: a publish may take
+    /// half the lease, so `publisher_timeout` (the publisher's own bound, if any) and the
+    /// drain timeout must not exceed that.
+    pub(crate) fn validate(&self, publisher_timeout: Option<Duration>) -> Result<()> {
         let bad = |msg: String| Err(Error::InvalidOption(msg));
         if !(1..=10_000).contains(&self.batch_size) {
             return bad(format!("batch_size {} must be 1..=10000", self.batch_size));
@@ -91,6 +94,23 @@ impl Options {
             return bad(format!(
                 "drain_timeout {:?} must be at most 1 hour",
                 self.drain_timeout
+            ));
+        }
+        let half = self.lease / 2;
+        if self.drain_timeout > half {
+            return bad(format!(
+                "drain_timeout {:?} exceeds half the lease ({:?}), the longest a publish may \
+                 take: lower drain_timeout or raise the lease",
+                self.drain_timeout, half
+            ));
+        }
+        if let Some(timeout) = publisher_timeout
+            && timeout > half
+        {
+            return bad(format!(
+                "the publisher's timeout {timeout:?} (for RabbitMQ its confirm_timeout) exceeds \
+                 half the lease ({half:?}), the longest a publish may take: lower it or \
+                 raise the lease"
             ));
         }
         if !(1..=1 << 30).contains(&self.max_batch_bytes) {
@@ -156,6 +176,8 @@ mod tests {
 
     #[test]
     fn defaults_are_valid() {
-        Options::default().validate().unwrap();
+        Options::default()
+            .validate(Some(Duration::from_secs(10)))
+            .unwrap();
     }
 }

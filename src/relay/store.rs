@@ -90,6 +90,17 @@ pub(crate) struct Batch {
     pub(crate) undecodable: Vec<(Record, Outcome)>,
 }
 
+impl Default for Batch {
+    fn default() -> Self {
+        Batch {
+            claimed_at: Instant::now(),
+            ready: Vec::new(),
+            crash_looped: Vec::new(),
+            undecodable: Vec::new(),
+        }
+    }
+}
+
 impl Batch {
     pub(crate) fn claimed(&self) -> usize {
         self.ready.len() + self.crash_looped.len() + self.undecodable.len()
@@ -257,13 +268,14 @@ impl Outbox {
 }
 
 impl Outbox {
-    /// Upserts a relay's idle record.
+    /// Upserts a relay's record: idle or not, and how long its broker has been unreachable.
     pub(crate) async fn set_relay_state(
         &self,
         conn: &mut AsyncPgConnection,
         relay_id: &str,
         idle: bool,
         ttl: Duration,
+        blocked_for: Option<Duration>,
     ) -> Result<()> {
         self.statements()
             .relay_state
@@ -271,6 +283,7 @@ impl Outbox {
             .bind::<Text, _>(relay_id)
             .bind::<Bool, _>(idle)
             .bind::<BigInt, _>(micros(ttl))
+            .bind::<Nullable<BigInt>, _>(blocked_for.map(micros))
             .execute(conn)
             .await
             .map_err(|e| self.db_error(e))?;

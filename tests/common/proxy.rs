@@ -1,6 +1,7 @@
 //! A TCP fault proxy: forwards loopback connections to an upstream and can cut them all.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, TcpStream};
@@ -9,6 +10,7 @@ use tokio::task::JoinHandle;
 pub struct FaultProxy {
     pub addr: SocketAddr,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    down: Arc<AtomicBool>,
     accept: JoinHandle<()>,
 }
 
@@ -17,9 +19,16 @@ impl FaultProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().unwrap();
         let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let down = Arc::new(AtomicBool::new(false));
         let tracked = links.clone();
+        let refusing = down.clone();
         let accept = tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
+                if refusing.load(Ordering::SeqCst) {
+                    // The broker is "down": the connection ends before a word is said.
+                    drop(client);
+                    continue;
+                }
                 let link = tokio::spawn(async move {
                     if let Ok(mut server) = TcpStream::connect(upstream).await {
                         let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
@@ -31,6 +40,7 @@ impl FaultProxy {
         FaultProxy {
             addr,
             links,
+            down,
             accept,
         }
     }
@@ -43,6 +53,16 @@ impl FaultProxy {
             link.abort();
         }
         n
+    }
+}
+
+impl FaultProxy {
+    /// Takes the "broker" down (every connection cut, new ones closed at once) or back up.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+        if down {
+            self.cut();
+        }
     }
 }
 
