@@ -120,7 +120,7 @@ impl Outbox {
         let rows = query
             .load::<EnqueuedRow>(&mut conn)
             .await
-            .map_err(|e| self.db_error(e))?;
+            .map_err(|e| self.enqueue_error(e))?;
         self.enqueue_outcome(rows, keys)
     }
 
@@ -147,7 +147,7 @@ impl Outbox {
             .get_result::<DedupeRow>(conn)
             .await
             .optional()
-            .map_err(|e| self.db_error(e))?;
+            .map_err(|e| self.dedupe_error(e))?;
         Ok(row.is_some())
     }
 
@@ -296,7 +296,32 @@ impl Outbox {
     }
 
     pub(crate) fn db_error(&self, err: diesel::result::Error) -> Error {
-        Error::from_db(err, self.table())
+        Error::from_db(
+            err,
+            self.table(),
+            "the grants the crate docs list under \"Privileges\"",
+        )
+    }
+
+    /// A failed enqueue's error, naming what a writer role needs.
+    pub(crate) fn enqueue_error(&self, err: diesel::result::Error) -> Error {
+        Error::from_db(
+            err,
+            self.table(),
+            &format!(
+                "INSERT on {t}, and SELECT (idempotency_key) on {t}",
+                t = self.table()
+            ),
+        )
+    }
+
+    /// A failed dedupe's error, naming what a consumer role needs.
+    pub(crate) fn dedupe_error(&self, err: diesel::result::Error) -> Error {
+        Error::from_db(
+            err,
+            self.table(),
+            &format!("INSERT on {}_inbox", self.table()),
+        )
     }
 }
 

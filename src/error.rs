@@ -40,6 +40,17 @@ pub enum Error {
         table: String,
     },
 
+    /// The database role lacks a privilege the operation needs (the crate docs list the
+    /// grants of each role under "Privileges"). Like every SQL error it aborts an open
+    /// transaction.
+    #[error("permission denied on {table}: this needs {needs}")]
+    PermissionDenied {
+        /// The outbox table the operation ran on.
+        table: String,
+        /// The grants the operation needs.
+        needs: String,
+    },
+
     /// A database error.
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),
@@ -79,14 +90,23 @@ impl Error {
         Error::InvalidMessage(msg.into())
     }
 
-    /// Maps PostgreSQL's "relation does not exist" to [`Error::NotMigrated`].
-    pub(crate) fn from_db(err: diesel::result::Error, table: &str) -> Self {
+    /// Maps PostgreSQL's "relation does not exist" to [`Error::NotMigrated`] and
+    /// "permission denied" to [`Error::PermissionDenied`] (naming `needs`).
+    pub(crate) fn from_db(err: diesel::result::Error, table: &str, needs: &str) -> Self {
         use diesel::result::{DatabaseErrorKind, Error as DieselError};
         if let DieselError::DatabaseError(DatabaseErrorKind::Unknown, info) = &err {
-            // 42P01 undefined_table; diesel does not expose the SQLSTATE, so match the text.
-            if info.message().contains("does not exist") && info.message().contains("relation") {
+            // 42P01 undefined_table and 42501 insufficient_privilege; diesel does not
+            // expose the SQLSTATE, so match the text.
+            let message = info.message();
+            if message.contains("does not exist") && message.contains("relation") {
                 return Error::NotMigrated {
                     table: table.to_owned(),
+                };
+            }
+            if message.starts_with("permission denied") {
+                return Error::PermissionDenied {
+                    table: table.to_owned(),
+                    needs: needs.to_owned(),
                 };
             }
         }

@@ -96,15 +96,48 @@
 //! [`Outbox::sql`] gives the same statements to your own migration tool, and [`MIGRATIONS`]
 //! embeds them for diesel's harness (default table only).
 //!
-//! # Wake-up cost
-//! A notifying commit takes a cluster-wide lock, which serialises concurrent committing
-//! writers. So enqueue sends its `pg_notify` (delivered only when your transaction commits)
-//! only while some relay is idle and listening, as recorded in the small unlogged table
-//! `<name>_relays`. A relay that has just worked keeps looking every few milliseconds for a
-//! short while before it calls itself idle, so under steady traffic writers send no NOTIFY
-//! at all, and after a quiet spell the first commit wakes the relay at once.
-//! [`OutboxBuilder::without_notify`] turns notifying off entirely (for poolers in
-//! transaction mode); relays then rely on polling.
+//! # Wake-up
+//! Relays are woken the moment an enqueuing transaction commits (a NOTIFY is delivered only
+//! on commit). A notifying commit takes a cluster-wide lock, which serialises concurrent
+//! committing writers, so writers notify only while some relay is idle. Which is decided by
+//! a lock, not by reading a table, so that no wake-up is lost whatever the writer's
+//! isolation level and however long its transaction was open:
+//! - an idle relay holds the *wake lock*, `pg_advisory_lock(`[`WAKE_LOCK_CLASS`]`, <table
+//!   oid>)`, on its LISTEN connection;
+//! - an enqueue tries the same lock shared for the rest of its transaction
+//!   (`pg_try_advisory_xact_lock_shared`): if that fails a relay is idle, and the enqueue
+//!   sends its NOTIFY; if it succeeds no NOTIFY is sent, and a relay going idle cannot take
+//!   the lock until this transaction has ended, and looks for work once more when it has.
+//!
+//! A relay that has just worked keeps looking every few milliseconds for a short while
+//! before it calls itself idle, so under steady traffic writers send no NOTIFY at all, and
+//! after a quiet spell the first commit wakes the relay at once. Of several idle relays one
+//! holds the lock and the others try again every 25 ms (a NOTIFY reaches them all).
+//! [`OutboxBuilder::without_notify`] turns notifying off entirely; relays then rely on
+//! polling.
+//!
+//! # Privileges
+//! Roles need these grants on the configured table `<table>` (and `USAGE` on its schema):
+//! - a writer (enqueue): `INSERT` on `<table>` and `SELECT (idempotency_key)` on it; the
+//!   wake lock and `pg_notify` need nothing;
+//! - a consumer (dedupe): `INSERT` on `<table>_inbox`;
+//! - a relay: `SELECT, UPDATE, DELETE` on `<table>` and `<table>_inbox`, and `SELECT,
+//!   INSERT, UPDATE, DELETE` on `<table>_relays`;
+//! - `migrate`: the right to create tables in the schema (and the schema itself for a
+//!   `schema.name` table).
+//!
+//! A missing grant gives [`Error::PermissionDenied`], naming what the operation needs.
+//!
+//! # Logs
+//! The crate logs through `tracing` under the `diesel_outbox` target and never logs
+//! payloads, header values or credentials: messages are named by key and topic. Two
+//! dependencies are less careful, so filter their targets wherever payloads and passwords
+//! must not reach the logs (the `diesel-outbox` binary always does, unless `RUST_LOG` names
+//! them):
+//! - `lapin` logs a returned message, payload included, at `warn`, and every frame, the
+//!   login's password included, at `trace`: keep it at `error`;
+//! - `tokio_postgres` logs every statement's bound parameters (payloads) at `debug`: keep
+//!   it at `info`.
 
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 
@@ -137,3 +170,4 @@ pub use crate::publisher::{
     BatchResults, FnPublisher, PublishError, Publisher, Record, publisher_fn,
 };
 pub use crate::relay::{PgPool, Relay, RelayBuilder};
+pub use crate::sql::WAKE_LOCK_CLASS;

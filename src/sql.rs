@@ -32,6 +32,8 @@ pub(crate) struct Statements {
     pub(crate) due: Statement,
     pub(crate) record_outcomes: Statement,
     pub(crate) listen: String,
+    pub(crate) watch: Statement,
+    pub(crate) unwatch: Statement,
     pub(crate) relay_state: Statement,
     pub(crate) relay_gone: Statement,
 }
@@ -47,6 +49,20 @@ pub(crate) const OUTCOME_SENT: &str = "sent";
 pub(crate) const OUTCOME_RETRY: &str = "retry";
 pub(crate) const OUTCOME_DEAD: &str = "dead";
 pub(crate) const OUTCOME_RELEASE: &str = "release";
+
+/// The first key of the wake lock an idle relay holds (`pg_advisory_lock(int, int)`); the
+/// second is the outbox table's oid. "outw" in ASCII. See the crate docs, "Wake-up".
+pub const WAKE_LOCK_CLASS: i32 = 0x6f75_7477;
+
+/// The table's oid as the wake lock's second key: the same whatever the spelling of the
+/// name, resolved when the statement is planned.
+fn wake_lock_table(table: &TableName) -> String {
+    format!("'{}'::regclass::oid::int4", table.quoted())
+}
+
+fn wake_lock_key(table: &TableName) -> String {
+    format!("{WAKE_LOCK_CLASS}, {}", wake_lock_table(table))
+}
 
 /// A claim reads at least this many successors of an aggregate head, to see whether another
 /// relay holds leases further down that aggregate.
@@ -172,10 +188,17 @@ impl Statements {
         // notifications in one transaction collapse into one. A notifying commit takes a
         // cluster-wide lock, so writers notify only while some relay is idle and listening:
         // a busy relay finds new rows by itself.
+        // Whether a relay is idle is decided by the wake lock, not by reading a table: an
+        // idle relay holds it exclusively, so a writer whose shared try fails notifies. A
+        // writer whose try succeeds holds the shared lock until it commits, and a relay going
+        // idle cannot take the lock before that commit, and looks once more when it has it:
+        // no wake-up is lost, whatever the isolation level or however long the transaction.
+        let wake_key = wake_lock_key(table);
+        let no_watcher = format!("pg_try_advisory_xact_lock_shared({wake_key})");
         let enqueue_notify = format!(
             "{enqueue_cte}, wake AS (\n\
              \x20   SELECT pg_notify($8, '') FROM (SELECT 1 FROM ins LIMIT 1) AS any_ins\n\
-             \x20   WHERE EXISTS (SELECT 1 FROM {relays} WHERE idle AND expires_at > now())\n\
+             \x20   WHERE NOT {no_watcher}\n\
              )\n\
              SELECT r.key, r.inserted FROM ({enqueue_tail}) AS r \
              CROSS JOIN (SELECT count(*) FROM wake) AS w"
@@ -194,7 +217,7 @@ impl Statements {
         let enqueue_one_notify = format!(
             "{one_cte}, wake AS (\n\
              \x20   SELECT pg_notify($8, '') FROM ins\n\
-             \x20   WHERE EXISTS (SELECT 1 FROM {relays} WHERE idle AND expires_at > now())\n\
+             \x20   WHERE NOT {no_watcher}\n\
              )\n\
              SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake) AS w"
         );
@@ -409,6 +432,19 @@ impl Statements {
                  RETURNING t.id"
             )),
             listen: format!("LISTEN \"{}\"", table.channel()),
+            // The relay's side of the wake lock, on its LISTEN connection: try to become the
+            // watcher, and if that fails, tell whether another relay is (then writers notify)
+            // or writers hold it (then their commits must be looked for).
+            watch: Statement::new(format!(
+                "SELECT pg_try_advisory_lock({wake_key}) AS got, EXISTS (\n\
+                 \x20   SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2\n\
+                 \x20   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())\n\
+                 \x20   AND classid = {WAKE_LOCK_CLASS}::oid AND objid = {key}::oid\n\
+                 \x20   AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid()\n\
+                 ) AS watched",
+                key = wake_lock_table(table),
+            )),
+            unwatch: Statement::new(format!("SELECT pg_advisory_unlock({wake_key}) AS released")),
             // $1 relay id, $2 idle, $3 time to live (µs), $4 how long its broker has been
             // unreachable (µs, NULL when it is reachable). Records of relays gone for a
             // minute are removed on the way, so the table holds live relays only.

@@ -48,7 +48,7 @@ impl Outbox {
         };
         let rows = query
             .load::<EnqueuedRow>(conn)
-            .map_err(|e| self.db_error(e))?;
+            .map_err(|e| self.enqueue_error(e))?;
         self.enqueue_outcome(rows, keys)
     }
 
@@ -61,7 +61,7 @@ impl Outbox {
             .dedupe_query(consumer, key)?
             .get_result::<DedupeRow>(conn)
             .optional()
-            .map_err(|e| self.db_error(e))?;
+            .map_err(|e| self.dedupe_error(e))?;
         Ok(row.is_some())
     }
 }

@@ -525,10 +525,13 @@ async fn notify_goes_to_idle_relays_on_commit_only_and_can_be_turned_off() {
     marker(&mut writer, &channel, "after-busy").await;
     assert_eq!(next_payload(&mut listener).await, "after-busy");
 
-    // An idle relay: woken when the transaction commits, once for two messages.
-    writer
+    // An idle relay holds the wake lock: writers wake it when they commit, once for two
+    // messages.
+    let mut idle_relay = common::connect().await;
+    idle_relay
         .batch_execute(&format!(
-            "INSERT INTO {}_relays VALUES ('idle-relay', true, now() + interval '1 hour')",
+            "SELECT pg_advisory_lock({}, '{}'::regclass::oid::int4)",
+            diesel_outbox::WAKE_LOCK_CLASS,
             loud.table()
         ))
         .await
@@ -668,4 +671,98 @@ async fn a_key_committed_by_a_racing_transaction_is_reported_as_duplicate() {
         .map(|r| r.payload)
         .collect();
     assert_eq!(payloads, vec![b"first".to_vec()]);
+}
+
+/// A writer role needs only the grants the docs list: INSERT on the outbox and SELECT on
+/// its `idempotency_key` (for enqueue), INSERT on the inbox (for dedupe). Without one, the
+/// error names what is missing.
+#[tokio::test]
+async fn a_least_privilege_writer_enqueues_and_a_missing_grant_is_named() {
+    let schema = TestSchema::new().await;
+    let mut admin = schema.connect().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("outbox"))
+        .build()
+        .unwrap();
+    outbox.migrate(&mut admin).await.unwrap();
+    let role = common::unique("writer");
+    let t = outbox.table();
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {role} NOLOGIN; \
+             GRANT USAGE ON SCHEMA \"{s}\" TO {role}; \
+             GRANT INSERT ON {t} TO {role}; \
+             GRANT SELECT (idempotency_key) ON {t} TO {role}; \
+             GRANT INSERT ON {t}_inbox TO {role}",
+            s = schema.name
+        ))
+        .await
+        .unwrap();
+    // An idle relay holds the wake lock, so the writer's enqueue also notifies.
+    let mut idle_relay = common::connect().await;
+    idle_relay
+        .batch_execute(&format!(
+            "SELECT pg_advisory_lock({}, '{t}'::regclass::oid::int4)",
+            diesel_outbox::WAKE_LOCK_CLASS
+        ))
+        .await
+        .unwrap();
+
+    let mut writer = schema.connect().await;
+    writer
+        .batch_execute(&format!("SET ROLE {role}"))
+        .await
+        .unwrap();
+    let result = async {
+        writer
+            .transaction(async |c| {
+                outbox.enqueue(c, Message::new("t", "one")).await?;
+                outbox
+                    .enqueue_many(c, vec![Message::new("t", "a"), Message::new("t", "b")])
+                    .await?;
+                let first = outbox.enqueue(c, Message::new("t", "first")).await?;
+                let err = outbox
+                    .enqueue(c, Message::new("t", "again").key(first))
+                    .await
+                    .unwrap_err();
+                assert!(err.is_duplicate_key(), "{err:?}");
+                assert!(outbox.dedupe(c, "billing", "k1").await?);
+                assert!(!outbox.dedupe(c, "billing", "k1").await?);
+                Ok::<_, Error>(())
+            })
+            .await
+    }
+    .await;
+    result.unwrap();
+
+    admin
+        .batch_execute(&format!(
+            "REVOKE SELECT (idempotency_key) ON {t} FROM {role}"
+        ))
+        .await
+        .unwrap();
+    let err = outbox
+        .enqueue(&mut writer, Message::new("t", "x"))
+        .await
+        .unwrap_err();
+    let shown = err.to_string();
+    assert!(
+        shown.contains("permission denied") && shown.contains("SELECT (idempotency_key)"),
+        "{shown}"
+    );
+    admin
+        .batch_execute(&format!("REVOKE INSERT ON {t}_inbox FROM {role}"))
+        .await
+        .unwrap();
+    let err = outbox
+        .dedupe(&mut writer, "billing", "k2")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("INSERT on"), "{err}");
+
+    drop(writer);
+    admin
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .await
+        .unwrap();
 }

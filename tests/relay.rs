@@ -771,14 +771,26 @@ async fn notify_wakes_an_idle_relay_and_survives_a_killed_listen_backend() {
     })
     .await;
 
-    // Kill the LISTEN backend: the relay reconnects and is woken again.
-    let killed: Vec<Killed> = diesel::sql_query(
-        "SELECT pg_terminate_backend(pid) AS ok FROM pg_stat_activity WHERE query = $1",
-    )
-    .bind::<Text, _>(format!("LISTEN \"{}\"", f.outbox.channel()))
-    .load(&mut f.conn)
-    .await
-    .unwrap();
+    // Kill the LISTEN backend (which, idle, holds the wake lock): the relay reconnects and
+    // is woken again.
+    let kill = format!(
+        "SELECT pg_terminate_backend(pid) AS ok FROM pg_locks WHERE locktype = 'advisory' \
+         AND classid = {}::oid AND objid = '{}'::regclass AND granted",
+        diesel_outbox::WAKE_LOCK_CLASS,
+        f.outbox.table()
+    );
+    let deadline = Instant::now() + DEADLINE;
+    let killed: Vec<Killed> = loop {
+        let killed: Vec<Killed> = diesel::sql_query(&kill).load(&mut f.conn).await.unwrap();
+        if !killed.is_empty() {
+            break killed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the idle relay never took the wake lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     assert_eq!(killed.len(), 1, "one LISTEN backend");
     assert!(killed[0].ok);
     eventually(DEADLINE, "the listener to drop", || async {
@@ -1854,4 +1866,102 @@ async fn two_clones_running_at_once_are_two_relays() {
     assert_eq!(keys.len(), recorder.len(), "a key published twice");
     assert_eq!(keys.len(), 100);
     assert!(!relay.listening());
+}
+
+/// A writer whose transaction is open while the relay turns idle. Before, the writer decided
+/// "is a relay idle?" when its enqueue ran: in READ COMMITTED it ran while the relay was
+/// busy; in REPEATABLE READ it saw the relays' state as of its snapshot, taken while the
+/// relay was busy. Either way it committed without a NOTIFY and the row waited a full poll
+/// interval (here an hour). It must be published within 50 ms and a publish.
+async fn a_writer_open_while_the_relay_turns_idle_is_picked_up_at_once(repeatable_read: bool) {
+    let mut f = fixture().await;
+    let published: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let hold = Arc::new(Notify::new());
+    let holding = Arc::new(Notify::new());
+    let publisher = {
+        let (published, hold, holding) = (published.clone(), hold.clone(), holding.clone());
+        publisher_fn(move |record: Record| {
+            let (published, hold, holding) = (published.clone(), hold.clone(), holding.clone());
+            async move {
+                if record.key == "keeps-it-busy" {
+                    holding.notify_one();
+                    hold.notified().await;
+                }
+                published.lock().unwrap().insert(record.key, Instant::now());
+                Ok(())
+            }
+        })
+    };
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .poll_interval(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_idle_relays(1).await;
+
+    // The relay wakes for this one and stays busy publishing it.
+    f.enqueue(Message::new("t", "x").key("keeps-it-busy")).await;
+    tokio::time::timeout(DEADLINE, holding.notified())
+        .await
+        .expect("the relay is busy");
+    let mut writer = f.schema.connect().await;
+    let isolation = if repeatable_read {
+        "REPEATABLE READ"
+    } else {
+        "READ COMMITTED"
+    };
+    writer
+        .batch_execute(&format!("BEGIN ISOLATION LEVEL {isolation}; SELECT 1"))
+        .await
+        .unwrap();
+    if !repeatable_read {
+        // The enqueue runs while the relay is busy.
+        f.outbox
+            .enqueue(&mut writer, Message::new("t", "x").key("late"))
+            .await
+            .unwrap();
+    }
+    // The relay finishes, lingers, and turns idle.
+    hold.notify_one();
+    f.wait_rows("idempotency_key = 'keeps-it-busy' AND status = 'sent'", 1)
+        .await;
+    f.wait_idle_relays(1).await;
+    if repeatable_read {
+        // The snapshot was taken while the relay was busy.
+        f.outbox
+            .enqueue(&mut writer, Message::new("t", "x").key("late"))
+            .await
+            .unwrap();
+    }
+    writer.batch_execute("COMMIT").await.unwrap();
+    let committed = Instant::now();
+    let deadline = committed + Duration::from_secs(5);
+    let at = loop {
+        if let Some(at) = published.lock().unwrap().get("late") {
+            break *at;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{isolation}: the commit was not picked up within 5 s (no wake-up)"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    stop_relay(stop, task).await;
+    let took = at.saturating_duration_since(committed);
+    assert!(
+        took < Duration::from_millis(500),
+        "{isolation}: published {took:?} after the commit"
+    );
+}
+
+#[tokio::test]
+async fn no_lost_wake_up_read_committed() {
+    a_writer_open_while_the_relay_turns_idle_is_picked_up_at_once(false).await;
+}
+
+#[tokio::test]
+async fn no_lost_wake_up_repeatable_read() {
+    a_writer_open_while_the_relay_turns_idle_is_picked_up_at_once(true).await;
 }

@@ -1,28 +1,78 @@
-//! Wake-up: LISTEN on a dedicated connection, reconnecting with backoff.
+//! Wake-up: LISTEN on a dedicated connection, reconnecting with backoff, and the wake lock
+//! that tells writers a relay is idle.
+//!
+//! The protocol, in full (the writers' half is in the enqueue statement):
+//! - A writer tries `pg_try_advisory_xact_lock_shared(class, table oid)` when its enqueue
+//!   inserts a row. If the try fails, a relay is idle (it holds the lock exclusively), and
+//!   the writer sends its NOTIFY, delivered when it commits. If the try succeeds, the writer
+//!   holds the shared lock until its transaction ends and sends nothing.
+//! - A relay going idle tries to take the lock exclusively on its LISTEN connection. It gets
+//!   it only when no writer holds it shared: every writer that decided "no relay is idle"
+//!   has committed or rolled back by then, so the one look the relay takes right after sees
+//!   their rows. From then on every writer notifies, until the relay wakes and lets go.
+//! - A relay that cannot get the lock learns why: another relay holds it (writers notify, so
+//!   it can sleep), or writers do (it looks for their rows now and then). Either way it tries
+//!   again every [`WATCH_RETRY`], so it takes over when the other relay leaves.
+//!
+//! Locks are not snapshots, so this holds at every isolation level and however long the
+//! writer's transaction was open; the lock of a relay whose connection dies goes with it.
 
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use diesel::QueryableByName;
+use diesel::sql_types::Bool;
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
 use super::PgPool;
+use crate::statement::Statement;
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// A silently dead connection delivers nothing; a round trip this often finds out.
 const HEALTH_CHECK: Duration = Duration::from_secs(15);
+/// A relay that wants to be idle but does not hold the wake lock tries again this often.
+pub(crate) const WATCH_RETRY: Duration = Duration::from_millis(25);
+
+/// What the listener can tell the relay about the wake lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Watch {
+    /// Not asked to watch, or no connection.
+    Off = 0,
+    /// This relay holds the wake lock: writers notify it.
+    Watching = 1,
+    /// Another relay holds it: writers notify (and this relay hears it too).
+    Covered = 2,
+    /// Writers hold it shared: their commits will not notify; look for them.
+    Contended = 3,
+}
+
+impl Watch {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Watch::Watching,
+            2 => Watch::Covered,
+            3 => Watch::Contended,
+            _ => Watch::Off,
+        }
+    }
+}
 
 /// State shared between a relay run and its listener.
 #[derive(Debug)]
 pub(crate) struct Wake {
+    /// Woken on every NOTIFY, (re)connect and change of [`Watch`].
     pub(crate) notify: Notify,
     listening: AtomicBool,
     /// Runs of the relay holding their LISTEN connection.
     relay_listening: Arc<AtomicUsize>,
+    watch: AtomicU8,
+    want_idle: watch::Sender<bool>,
 }
 
 impl Wake {
@@ -31,6 +81,8 @@ impl Wake {
             notify: Notify::new(),
             listening: AtomicBool::new(false),
             relay_listening,
+            watch: AtomicU8::new(Watch::Off as u8),
+            want_idle: watch::channel(false).0,
         }
     }
 
@@ -47,23 +99,53 @@ impl Wake {
             }
         }
     }
+
+    /// The relay has nothing to do (`true`: hold the wake lock) or has work (`false`: let
+    /// it go, writers need not notify a busy relay).
+    pub(crate) fn want_idle(&self, idle: bool) {
+        self.want_idle.send_if_modified(|want| {
+            let changed = *want != idle;
+            *want = idle;
+            changed
+        });
+    }
+
+    pub(crate) fn watch(&self) -> Watch {
+        Watch::from_u8(self.watch.load(Ordering::SeqCst))
+    }
+
+    fn set_watch(&self, watch: Watch) {
+        if self.watch.swap(watch as u8, Ordering::SeqCst) != watch as u8 {
+            self.notify.notify_one();
+        }
+    }
+}
+
+/// The SQL the listener runs besides LISTEN.
+#[derive(Debug, Clone)]
+pub(crate) struct Sql {
+    pub(crate) listen: String,
+    pub(crate) watch: Statement,
+    pub(crate) unwatch: Statement,
 }
 
 /// Holds a LISTEN forever: on each notification wakes the relay; on loss reconnects with
 /// capped exponential backoff, reset after every successful LISTEN. Each (re)connect wakes
 /// the relay once, to catch up on notifications sent while nobody listened.
-pub(crate) async fn run(pool: PgPool, listen_sql: String, table: String, wake: Arc<Wake>) {
+pub(crate) async fn run(pool: PgPool, sql: Sql, table: String, wake: Arc<Wake>) {
     let mut delay = RECONNECT_MIN;
     loop {
         let failure = match pool.dedicated_connection().await {
-            Ok(mut conn) => match conn.batch_execute(&listen_sql).await {
+            Ok(mut conn) => match conn.batch_execute(&sql.listen).await {
                 Ok(()) => {
                     wake.set_listening(true);
                     delay = RECONNECT_MIN;
                     tracing::debug!(table = %table, "relay listening for wake-ups");
                     wake.notify.notify_one();
-                    let why = hold(&mut conn, &wake).await;
+                    let why = hold(&mut conn, &sql, &wake).await;
                     wake.set_listening(false);
+                    wake.set_watch(Watch::Off);
+                    wake.notify.notify_one();
                     why
                 }
                 Err(e) => format!("LISTEN failed: {e}"),
@@ -81,13 +163,62 @@ pub(crate) async fn run(pool: PgPool, listen_sql: String, table: String, wake: A
     }
 }
 
-/// Forwards notifications until the connection fails; returns why.
-async fn hold(conn: &mut AsyncPgConnection, wake: &Wake) -> String {
+#[derive(QueryableByName)]
+struct Tried {
+    #[diesel(sql_type = Bool)]
+    got: bool,
+    #[diesel(sql_type = Bool)]
+    watched: bool,
+}
+
+#[derive(QueryableByName)]
+struct Released {
+    #[diesel(sql_type = Bool)]
+    #[allow(dead_code)] // read to run the statement
+    released: bool,
+}
+
+/// Forwards notifications and keeps the wake lock as the relay wants, until the connection
+/// fails; returns why.
+async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
+    // Here only: its `load` would shadow the atomics' own.
+    use diesel_async::RunQueryDsl;
+    let mut want_idle = wake.want_idle.subscribe();
+    let mut holding = false;
     loop {
+        let want = *want_idle.borrow_and_update();
+        // How long to wait for notifications before looking at the lock again.
+        let mut wait = HEALTH_CHECK;
+        if want && !holding {
+            match sql.watch.query().get_result::<Tried>(conn).await {
+                Ok(tried) if tried.got => {
+                    holding = true;
+                    wake.set_watch(Watch::Watching);
+                }
+                Ok(tried) => {
+                    wake.set_watch(if tried.watched {
+                        Watch::Covered
+                    } else {
+                        Watch::Contended
+                    });
+                    wait = WATCH_RETRY;
+                }
+                Err(e) => return format!("taking the wake lock failed: {e}"),
+            }
+        } else if !want && holding {
+            if let Err(e) = sql.unwatch.query().get_result::<Released>(conn).await {
+                return format!("releasing the wake lock failed: {e}");
+            }
+            holding = false;
+            wake.set_watch(Watch::Off);
+        } else if !want {
+            wake.set_watch(Watch::Off);
+        }
+        let mut timed_out = false;
         {
             let mut stream = pin!(conn.notifications_stream());
-            let health_check = tokio::time::sleep(HEALTH_CHECK);
-            let mut health_check = pin!(health_check);
+            let timer = tokio::time::sleep(wait);
+            let mut timer = pin!(timer);
             loop {
                 tokio::select! {
                     item = stream.next() => match item {
@@ -95,13 +226,24 @@ async fn hold(conn: &mut AsyncPgConnection, wake: &Wake) -> String {
                         Some(Err(e)) => return format!("notification stream failed: {e}"),
                         None => return "notification stream ended".to_owned(),
                     },
-                    () = &mut health_check => break,
+                    changed = want_idle.changed() => {
+                        if changed.is_err() {
+                            return "the relay stopped".to_owned();
+                        }
+                        break;
+                    }
+                    () = &mut timer => {
+                        timed_out = true;
+                        break;
+                    }
                 }
             }
         }
-        // Notifications that arrive meanwhile are buffered by the connection.
-        if let Err(e) = conn.batch_execute("SELECT 1").await {
-            return format!("health check failed: {e}");
+        if timed_out && wait == HEALTH_CHECK {
+            // Notifications that arrive meanwhile are buffered by the connection.
+            if let Err(e) = conn.batch_execute("SELECT 1").await {
+                return format!("health check failed: {e}");
+            }
         }
     }
 }

@@ -24,7 +24,7 @@ use crate::metrics::{Metrics, NoMetrics};
 use crate::outbox::Outbox;
 use crate::publisher::Publisher;
 
-use self::listener::Wake;
+use self::listener::{WATCH_RETRY, Wake, Watch};
 use self::options::Options;
 use self::outage::Outage;
 use self::publish::Slot;
@@ -319,9 +319,14 @@ impl<P: Publisher> Relay<P> {
         };
         tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
         let listener = inner.options.listen.then(|| {
+            let sql = inner.outbox.statements();
             AbortOnDrop(tokio::spawn(listener::run(
                 inner.pool.clone(),
-                inner.outbox.statements().listen.clone(),
+                listener::Sql {
+                    listen: sql.listen.clone(),
+                    watch: sql.watch.clone(),
+                    unwatch: sql.unwatch.clone(),
+                },
                 table.clone(),
                 run.wake.clone(),
             )))
@@ -375,6 +380,11 @@ impl<P: Publisher> Relay<P> {
         let mut fruitless = 0u32;
         // What this run last wrote of its outage into `<table>_relays`, and when.
         let mut blocked_written: (Option<Instant>, Instant) = (None, Instant::now());
+        // Whether `<table>_relays` says this run is idle, and since when.
+        let mut marked_idle = false;
+        let mut idle_written = Instant::now();
+        // Whether the look that follows taking the wake lock was made.
+        let mut watched_look = false;
         let result = 'run: loop {
             let stopping = *stop.borrow();
             if stopping {
@@ -397,6 +407,11 @@ impl<P: Publisher> Relay<P> {
                     Ok(batch) if batch.claimed() > 0 => {
                         failures = 0;
                         fruitless = 0;
+                        // Busy: writers need not notify; let the wake lock go.
+                        run.wake.want_idle(false);
+                        if marked_idle {
+                            marked_idle = !self.mark_idle(run, false).await;
+                        }
                         // A batch that was not full says the backlog is drained for now.
                         claim_more = batch.claimed() >= inner.options.batch_size;
                         ready = Some(batch);
@@ -458,41 +473,63 @@ impl<P: Publisher> Relay<P> {
                 continue;
             }
 
-            // Idle: ask writers to wake us, look once more (a writer may have seen us busy
-            // and skipped its NOTIFY), then wait for a wake-up or the poll interval.
-            let registered = run.wake.listening() && self.mark_idle(run, true).await;
-            if registered {
-                match self.claim(Some(&run.stop)).await {
-                    Ok(batch) if batch.claimed() > 0 => {
-                        self.mark_idle(run, false).await;
-                        claim_more = batch.claimed() >= inner.options.batch_size;
-                        ready = Some(batch);
-                        continue;
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::debug!(table = %table, error = %e, "claim failed"),
+            // Idle. Without a LISTEN connection nothing wakes us: poll.
+            if !run.wake.listening() {
+                tokio::select! {
+                    () = run.wake.notify.notified() => {}
+                    () = tokio::time::sleep(inner.options.poll_interval) => {}
+                    () = until_stopped(&mut stopped) => break 'run Ok(()),
                 }
+                continue;
             }
-            tracing::trace!(table = %table, "relay idle");
+            // Ask for the wake lock (see `listener`), and wait for a wake-up, a change of the
+            // lock's state, or the poll interval; every `break` below leads to a claim.
+            if !marked_idle {
+                marked_idle = self.mark_idle(run, true).await;
+                idle_written = Instant::now();
+            }
+            run.wake.want_idle(true);
             let poll_at = Instant::now() + inner.options.poll_interval;
             loop {
-                let refresh = (Instant::now() + IDLE_REFRESH).min(poll_at);
+                let watch = run.wake.watch();
+                if watch != Watch::Watching {
+                    watched_look = false;
+                }
+                match watch {
+                    // Every writer that saw no idle relay has committed by now: look once.
+                    Watch::Watching if !watched_look => {
+                        watched_look = true;
+                        break;
+                    }
+                    // Writers hold the lock, so their commits will not notify: look for them.
+                    Watch::Contended if self.probe(&run.stop).await => break,
+                    _ if !run.wake.listening() => break,
+                    _ => {}
+                }
+                let refresh = (idle_written + IDLE_REFRESH).min(poll_at);
+                let next = match watch {
+                    Watch::Contended | Watch::Off => (Instant::now() + WATCH_RETRY).min(refresh),
+                    Watch::Watching | Watch::Covered => refresh,
+                };
                 tokio::select! {
-                    () = run.wake.notify.notified() => break,
-                    () = tokio::time::sleep_until(refresh) => {
-                        if refresh >= poll_at {
+                    () = run.wake.notify.notified() => {
+                        if run.wake.watch() == watch {
+                            break; // a NOTIFY, or a reconnect: look
+                        }
+                        // The wake lock changed hands: think again.
+                    }
+                    () = tokio::time::sleep_until(next) => {
+                        if Instant::now() >= poll_at {
                             break;
                         }
-                        if registered {
-                            // Writers should not pay for NOTIFYs nobody hears.
-                            self.mark_idle(run, run.wake.listening()).await;
+                        if Instant::now() >= idle_written + IDLE_REFRESH {
+                            // Keep the record from lapsing.
+                            self.mark_idle(run, true).await;
+                            idle_written = Instant::now();
                         }
                     }
                     () = until_stopped(&mut stopped) => break 'run Ok(()),
                 }
-            }
-            if registered {
-                self.mark_idle(run, false).await;
             }
         };
         // Shutdown: a batch still waiting is released; batches in flight drain (their tasks
@@ -523,6 +560,22 @@ impl<P: Publisher> Relay<P> {
             if due.unwrap_or(true) {
                 return;
             }
+        }
+    }
+
+    /// One cheap look for due work; true on an error too, to let the claim report it.
+    async fn probe(&self, stop: &watch::Receiver<bool>) -> bool {
+        let Some(conn) = self.checkout(Some(stop)).await else {
+            return false;
+        };
+        match conn {
+            Ok(mut conn) => self
+                .inner
+                .outbox
+                .anything_due(&mut conn)
+                .await
+                .unwrap_or(true),
+            Err(_) => true,
         }
     }
 
