@@ -250,3 +250,106 @@ fn bad_urls_and_missing_tables_have_their_own_exit_codes_and_hide_passwords() {
     let out = Command::new(BIN).arg("no-such-command").output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+fn rabbitmqctl(args: &[&str]) {
+    let status = Command::new("rabbitmqctl")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("rabbitmqctl");
+    assert!(status.success(), "rabbitmqctl {args:?} failed");
+}
+
+/// At `RUST_LOG=trace` the relay process prints neither a payload (lapin logs returned
+/// messages with theirs at warn, tokio-postgres logs bound parameters at debug) nor a
+/// password (lapin logs the login frame at trace, amq-protocol the URL).
+#[tokio::test]
+async fn the_relay_at_trace_logs_no_payload_and_no_password() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let broker = TestBroker::new("bound.only").await;
+    let user = common::unique("outbox_user");
+    let password = common::unique("pw-secret");
+    rabbitmqctl(&["add_user", &user, &password]);
+    rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    let marker = common::unique("payload-marker");
+    outbox
+        .enqueue(
+            &mut conn,
+            Message::new("nowhere", marker.clone()).key("unroutable"),
+        )
+        .await
+        .unwrap();
+    let amqp = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
+    let db_password = common::unique("db-secret");
+    // Trust authentication ignores the password; it must not be printed all the same.
+    let database = database_url().replacen("postgres@", &format!("postgres:{db_password}@"), 1);
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "relay", "--exchange", &broker.exchange])
+        .args(["--max-attempts", "1", "--poll-interval", "100ms"])
+        .env("DATABASE_URL", &database)
+        .env("AMQP_URL", &amqp)
+        .env("RUST_LOG", "trace")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read the log while it is written, so the pipe never fills.
+    let stderr = relay.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut log = String::new();
+        let mut stderr = stderr;
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+        log
+    });
+    eventually(
+        Duration::from_secs(30),
+        "the unroutable message to die",
+        || {
+            let mut conn = None;
+            let outbox = outbox.clone();
+            let schema = &schema;
+            async move {
+                let c = conn.get_or_insert(schema.connect().await);
+                let dead = outbox.dead_letters(c, 10).await.unwrap();
+                (!dead.is_empty()).then_some(())
+            }
+        },
+    )
+    .await;
+    let term = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = relay.wait().unwrap();
+    let log = reader.join().unwrap();
+    rabbitmqctl(&["delete_user", &user]);
+    assert!(status.success(), "exit {status:?}");
+    assert!(
+        log.contains("DEBUG"),
+        "the filter passed RUST_LOG on: {log}"
+    );
+    assert!(log.contains("unroutable"), "the failure is logged by key");
+    for (what, secret) in [
+        ("the payload", &marker),
+        ("the AMQP password", &password),
+        ("the database password", &db_password),
+    ] {
+        // As text, and as the byte list `Debug` prints for a `Vec<u8>`.
+        let bytes = secret
+            .bytes()
+            .map(|b| b.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        assert!(
+            !log.contains(secret.as_str()),
+            "{what} reached the log as text"
+        );
+        assert!(!log.contains(&bytes), "{what} reached the log as bytes");
+    }
+}

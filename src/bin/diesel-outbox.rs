@@ -455,11 +455,7 @@ async fn purge(
 
 async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(), Failure> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            // lapin logs returned (unroutable) messages with their payload at warn.
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,lapin=error".into()),
-        )
+        .with_env_filter(log_filter(std::env::var("RUST_LOG").ok().as_deref()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -496,6 +492,47 @@ async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(
     let relay = builder.build()?;
     relay.run_until(shutdown_signal()).await?;
     Ok(())
+}
+
+/// Targets of dependencies that log payloads or credentials, and the most they may log:
+/// lapin logs returned messages (payload included) at warn and every frame (the login's
+/// password included) at trace; amq-protocol logs the broker URL at trace; tokio-postgres
+/// logs bound parameters (payloads) at debug.
+const QUIET: &[(&str, &str)] = &[
+    ("lapin", "error"),
+    ("amq_protocol", "info"),
+    ("tokio_postgres", "info"),
+];
+
+/// `RUST_LOG` (or `info`), with [`QUIET`]'s directives added for every target it does not
+/// name itself.
+fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
+    let spec = rust_log.filter(|s| !s.trim().is_empty()).unwrap_or("info");
+    const LEVELS: &[&str] = &["trace", "debug", "info", "warn", "error", "off"];
+    // A directive names a target when it is `target`, `target=level` or `target[span]=..`.
+    let named = |target: &str| {
+        spec.split(',').any(|directive| {
+            let directive = directive.trim();
+            let name = match directive.split_once('=') {
+                Some((name, _)) => name,
+                None if LEVELS.contains(&directive.to_ascii_lowercase().as_str()) => return false,
+                None => directive,
+            };
+            let name = name.split('[').next().unwrap_or_default().trim();
+            !name.is_empty() && (name.starts_with(target) || target.starts_with(name))
+        })
+    };
+    let mut directives = vec![spec.to_owned()];
+    for (target, level) in QUIET {
+        if !named(target) {
+            directives.push(format!("{target}={level}"));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(directives.join(",")).unwrap_or_else(|_| {
+        let mut fallback = vec!["info".to_owned()];
+        fallback.extend(QUIET.iter().map(|(t, l)| format!("{t}={l}")));
+        tracing_subscriber::EnvFilter::new(fallback.join(","))
+    })
 }
 
 /// Completes on SIGINT or SIGTERM.
@@ -551,4 +588,38 @@ fn redact(message: &str, secrets: &[String]) -> String {
     secrets
         .iter()
         .fold(message.to_owned(), |m, s| m.replace(s.as_str(), "***"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shown(rust_log: Option<&str>) -> String {
+        log_filter(rust_log).to_string()
+    }
+
+    #[test]
+    fn the_quiet_targets_are_added_unless_named() {
+        for spec in [
+            None,
+            Some(""),
+            Some("info"),
+            Some("trace"),
+            Some("diesel_outbox=trace"),
+        ] {
+            let filter = shown(spec);
+            for (target, level) in QUIET {
+                assert!(
+                    filter.contains(&format!("{target}={level}")),
+                    "{spec:?}: {filter}"
+                );
+            }
+        }
+        let named = shown(Some("trace,lapin=debug"));
+        assert!(
+            named.contains("lapin=debug") && !named.contains("lapin=error"),
+            "{named}"
+        );
+        assert!(named.contains("tokio_postgres=info"), "{named}");
+    }
 }
