@@ -96,19 +96,29 @@ struct KeyRow {
 
 impl Outbox {
     /// Gauges and lag in one statement; cost proportional to pending and dead rows, not to
-    /// the table's history (sent rows are counted up to 100,000, then estimated).
+    /// the table's history (sent rows are counted up to 100,000, then estimated), whatever
+    /// the planner's statistics say: it runs with sequential scans off, in a transaction (a
+    /// savepoint inside yours) that is rolled back, so the setting does not outlive it.
     ///
     /// # Errors
     /// [`Error::NotMigrated`] or a database error.
     pub async fn stats(&self, conn: &mut AsyncPgConnection) -> Result<Stats> {
-        let row = self
+        use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
+        let query = self
             .statements()
             .stats
             .query()
-            .bind::<Text, _>(self.inner.table.quoted_with("_sent_idx"))
-            .get_result::<StatsRow>(conn)
+            .bind::<Text, _>(self.inner.table.quoted_with("_sent_idx"));
+        AnsiTransactionManager::begin_transaction(conn)
             .await
             .map_err(|e| self.db_error(e))?;
+        let row = match conn.batch_execute("SET LOCAL enable_seqscan = off").await {
+            Ok(()) => query.get_result::<StatsRow>(conn).await,
+            Err(e) => Err(e),
+        };
+        let rolled_back = AnsiTransactionManager::rollback_transaction(conn).await;
+        let row = row.map_err(|e| self.db_error(e))?;
+        rolled_back.map_err(|e| self.db_error(e))?;
         let count = |n: i64| u64::try_from(n).unwrap_or(0);
         let (sent, sent_is_estimate) = if row.sent_counted < SENT_EXACT_LIMIT {
             (count(row.sent_counted), false)

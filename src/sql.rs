@@ -400,13 +400,16 @@ impl Statements {
                 crash_loop =
                     "t.attempts >= $3 AND NOT t.id = ANY((SELECT runs FROM due)::bigint[])",
             )),
-            // A cheap look for work, used while lingering between claims.
+            // A cheap look for work, used while lingering between claims. As the first due
+            // row in id order (not `EXISTS`, whose ORDER BY the planner drops), so the only
+            // sensible plan walks the pending index and stops at the first match, whatever
+            // the statistics say: a sequential scan would read the table's whole history.
             due: Statement::new(format!(
-                "SELECT EXISTS (SELECT 1 FROM {t} o WHERE status = 'pending' \
-                 AND available_at <= now() AND (lease_until IS NULL OR lease_until <= now()) \
-                 AND (aggregate_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} p \
-                 WHERE p.status = 'pending' AND p.aggregate_key = o.aggregate_key AND p.id < o.id))) \
-                 AS due"
+                "SELECT (SELECT o.id FROM {t} o WHERE o.status = 'pending' \
+                 AND o.available_at <= now() AND (o.lease_until IS NULL OR o.lease_until <= now()) \
+                 AND (o.aggregate_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} p \
+                 WHERE p.status = 'pending' AND p.aggregate_key = o.aggregate_key AND p.id < o.id)) \
+                 ORDER BY o.id LIMIT 1) IS NOT NULL AS due"
             )),
             // One statement for every outcome of a batch, fenced by token and status: a
             // relay whose lease was taken over updates nothing. `t.id = ANY($1)` bounds the

@@ -1965,3 +1965,73 @@ async fn no_lost_wake_up_read_committed() {
 async fn no_lost_wake_up_repeatable_read() {
     a_writer_open_while_the_relay_turns_idle_is_picked_up_at_once(true).await;
 }
+
+/// Statistics taken while most rows were pending, then the history moved to `sent`: a plan
+/// trusting them would read the whole table on every look for work (the relay looks every
+/// millisecond while it lingers) and on every `stats`. Both stay on the indexes.
+#[tokio::test]
+async fn looks_for_work_and_stats_stay_on_the_indexes_whatever_the_statistics() {
+    let mut f = fixture().await;
+    let t = f.outbox.table().to_owned();
+    f.conn
+        .batch_execute(&format!(
+            "INSERT INTO {t} (idempotency_key, topic, aggregate_key, payload) \
+             SELECT 'h' || g, 't', CASE WHEN g % 3 = 0 THEN 'a' || (g % 100) END, '\\x00'::bytea \
+             FROM generate_series(1, 90000) g; \
+             ANALYZE {t}; \
+             UPDATE {t} SET status = 'sent', sent_at = now()"
+        ))
+        .await
+        .unwrap();
+    f.conn.batch_execute(&format!("VACUUM {t}")).await.unwrap();
+    #[derive(QueryableByName)]
+    struct Scanned {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let scanned = async |conn: &mut diesel_async::AsyncPgConnection| -> i64 {
+        conn.batch_execute("SELECT pg_stat_force_next_flush()")
+            .await
+            .unwrap();
+        // The counters of other backends reach the view when they next go idle.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        diesel::sql_query(format!(
+            "SELECT coalesce(seq_tup_read, 0) AS n FROM pg_stat_user_tables \
+             WHERE relid = '{t}'::regclass"
+        ))
+        .get_result::<Scanned>(conn)
+        .await
+        .unwrap()
+        .n
+    };
+    let before = scanned(&mut f.conn).await;
+    let stats = f.outbox.stats(&mut f.conn).await.unwrap();
+    assert_eq!(stats.sent, 90_000);
+    let after_stats = scanned(&mut f.conn).await;
+    assert!(
+        after_stats - before < 1_000,
+        "stats read {} rows by sequential scan",
+        after_stats - before
+    );
+
+    // One message: the relay wakes, publishes, and lingers, looking for more every
+    // millisecond, before it goes idle.
+    let recorder = Recorder::default();
+    let relay = f
+        .outbox
+        .relay(common::pool(2).await, recorder.clone())
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_idle_relays(1).await;
+    f.enqueue(Message::new("t", "x").key("one")).await;
+    f.wait_rows("idempotency_key = 'one' AND status = 'sent'", 1)
+        .await;
+    f.wait_idle_relays(1).await;
+    stop_relay(stop, task).await;
+    let read = scanned(&mut f.conn).await - after_stats;
+    assert!(
+        read < 10_000,
+        "the relay's looks for work read {read} rows by sequential scan"
+    );
+}
