@@ -1,4 +1,4 @@
-//! Fault injection: the guarantees of DESIGN §1 under crashes, pauses and cuts (§12).
+//! Fault injection: the crate's guarantees under crashes, pauses, cuts and outages.
 //!
 //! Writers enqueue in transactions that also write a business row with a per-aggregate
 //! sequence taken under a row lock; about 20% roll back (half of those to a savepoint).
@@ -6,8 +6,17 @@
 //! through a TCP fault proxy; a consumer records every delivery and applies its effect with
 //! `dedupe` in its own transaction. Meanwhile relays are SIGKILLed and restarted, SIGSTOPped
 //! for longer than their lease, their PostgreSQL backends (LISTEN included) terminated, their
-//! broker connections cut, and the broker restarted once. Then the faults stop, everything
-//! drains, and a checker reads ground truth from the database and the delivery log.
+//! broker connections cut, the broker restarted, the broker stopped for longer than
+//! `max_attempts × backoff max`, and PostgreSQL restarted (a writer whose commit outcome is
+//! then unknown is resolved against the business rows); poison rows are written by SQL
+//! (headers serde cannot read, an `infinity` enqueue time, headers too large for the
+//! broker's frame, a `CC` header). Then the faults stop, everything drains, and a checker
+//! reads ground truth from the database and the delivery log: nothing lost, no phantom, order
+//! kept per aggregate, one effect per message, stale relays fenced, and no dead letter but
+//! the poison rows.
+//!
+//! The tests in this binary restart shared services, so they run one at a time (and cargo
+//! runs test binaries one after another).
 //!
 //! ```sh
 //! cargo test --all-features --test faults                                    # CI tier
@@ -44,6 +53,15 @@ const BATCH: usize = 50;
 /// Batches a relay may hold at once (claimed, publishing or recording).
 const PIPELINE: usize = 3;
 const LEASE: Duration = Duration::from_secs(2);
+const MAX_ATTEMPTS: u32 = 10;
+const BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// Longer than `MAX_ATTEMPTS × BACKOFF_MAX`: were an outage charged to the messages, every
+/// one of them would be dead by the end of it.
+const BROKER_DOWN: Duration = Duration::from_secs(8);
+
+/// Tests here restart PostgreSQL and the broker: one at a time (a test that panics releases
+/// it as it unwinds).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct Tier {
     messages: usize,
@@ -53,16 +71,20 @@ struct Tier {
     fault_every: Duration,
     /// How long writing should take, so the faults spread over it.
     writing: Duration,
+    /// How often PostgreSQL is restarted.
+    postgres_restarts: usize,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fault_suite_ci_tier() {
+    let _serial = SERIAL.lock().await;
     run(Tier {
         messages: 5_000,
         writers: 4,
         aggregates: 40,
         fault_every: Duration::from_millis(1_500),
         writing: Duration::from_secs(50),
+        postgres_restarts: 1,
     })
     .await;
 }
@@ -70,12 +92,14 @@ async fn fault_suite_ci_tier() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "long tier (about 20 minutes): cargo test --release --all-features --test faults -- --ignored"]
 async fn fault_suite_long_tier() {
+    let _serial = SERIAL.lock().await;
     run(Tier {
         messages: 100_000,
         writers: 8,
         aggregates: 400,
         fault_every: Duration::from_secs(4),
         writing: Duration::from_secs(15 * 60),
+        postgres_restarts: 3,
     })
     .await;
 }
@@ -257,9 +281,9 @@ async fn run(tier: Tier) {
             "--backoff-min",
             "50ms",
             "--backoff-max",
-            "1s",
+            &format!("{}ms", BACKOFF_MAX.as_millis()),
             "--max-attempts",
-            "1000",
+            &MAX_ATTEMPTS.to_string(),
             "--drain-timeout",
             "1s",
             "--confirm-timeout",
@@ -324,7 +348,18 @@ async fn run(tier: Tier) {
                 let key = format!("w{w}-{attempt}");
                 let aggregate = format!("agg{}", fastrand::usize(1..=aggregates));
                 let roll = fastrand::u8(0..10);
-                let ok = write(&mut conn, &outbox, &schema_name, &key, &aggregate, roll).await;
+                let outcome = write(&mut conn, &outbox, &schema_name, &key, &aggregate, roll).await;
+                let ok = match outcome {
+                    Written::Committed => true,
+                    Written::RolledBack => false,
+                    Written::Unknown => {
+                        // The connection died (PostgreSQL restarted, or the backend was
+                        // terminated) around the commit: ask the business rows.
+                        conn = reconnect(&schema_name).await;
+                        log.fault("writer commit outcome resolved");
+                        committed_order(&mut conn, &schema_name, &key).await
+                    }
+                };
                 if ok {
                     committed += 1;
                     written.fetch_add(1, Ordering::SeqCst);
@@ -338,18 +373,47 @@ async fn run(tier: Tier) {
     // Faults, round-robin over the kinds, until the writers are done.
     let kinds = [
         "relay SIGKILL",
+        "poison rows",
         "relay SIGSTOP beyond lease",
         "relay backends terminated",
         "broker connections cut",
         "broker restart",
+        "broker stopped beyond max_attempts × backoff max",
+        "PostgreSQL restart",
     ];
     let mut round = 0usize;
     let mut admin = common::connect().await;
+    let mut poison: Vec<String> = Vec::new();
     while writers.iter().any(|w| !w.is_finished()) {
         tokio::time::sleep(tier.fault_every).await;
         let kind = kinds[round % kinds.len()];
         round += 1;
+        let fired = log.faults.lock().unwrap().get(kind).copied().unwrap_or(0);
         match kind {
+            "poison rows" => {
+                for _ in 0..POISON_KINDS {
+                    let key = write_poison(&mut admin, &table, poison.len(), tier.aggregates).await;
+                    poison.push(key);
+                }
+                log.fault(kind);
+            }
+            "broker stopped beyond max_attempts × backoff max" => {
+                if fired > 0 {
+                    continue; // once per run
+                }
+                rabbitmqctl(&["stop_app"]);
+                tokio::time::sleep(BROKER_DOWN).await;
+                rabbitmqctl(&["start_app"]);
+                log.fault(kind);
+            }
+            "PostgreSQL restart" => {
+                if fired >= tier.postgres_restarts {
+                    continue;
+                }
+                restart_postgres();
+                admin = reconnect(&schema.name).await;
+                log.fault(kind);
+            }
             "relay SIGKILL" => {
                 let slot = fastrand::usize(0..RELAYS);
                 relays.kill(slot);
@@ -410,6 +474,8 @@ async fn run(tier: Tier) {
             relays.spawn(slot);
         }
     }
+    // PostgreSQL was restarted meanwhile.
+    let mut conn = reconnect(&schema.name).await;
     let drain_deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let stats = outbox.stats(&mut conn).await.unwrap();
@@ -552,7 +618,7 @@ async fn run(tier: Tier) {
          redelivered, {retried} with attempt > 1, {fenced} fenced outcomes, faults {faults:?}, \
          {} relay processes started, drained {:.1} s after the faults stopped, total {:.0} s; \
          lost {}, phantom {}, order violations {order_violations}, effects {} for {} keys, \
-         max attempts {}",
+         max attempts {}, dead letters {} (all poison: {})",
         rolled_back.len(),
         deliveries.len(),
         relays.started,
@@ -563,6 +629,8 @@ async fn run(tier: Tier) {
         effects.total,
         effects.keys,
         rows.max_attempts,
+        rows.other,
+        poison.len(),
     );
     assert!(lost.is_empty(), "lost: {:?}", &lost[..lost.len().min(10)]);
     assert!(phantoms.is_empty(), "phantoms: {phantoms:?}");
@@ -578,7 +646,35 @@ async fn run(tier: Tier) {
         "{duplicates} duplicates over the bound"
     );
     assert_eq!(rows.sent, written as i64, "every row sent");
-    assert_eq!(rows.other, 0, "no pending or dead rows left");
+    #[derive(QueryableByName)]
+    struct Unsent {
+        #[diesel(sql_type = Text)]
+        key: String,
+        #[diesel(sql_type = Text)]
+        status: String,
+    }
+    let unsent: Vec<Unsent> = diesel::sql_query(format!(
+        "SELECT idempotency_key AS key, status FROM {table} WHERE status <> 'sent'"
+    ))
+    .load(&mut conn)
+    .await
+    .unwrap();
+    let mut dead: Vec<&str> = unsent
+        .iter()
+        .filter(|u| u.status == "dead")
+        .map(|u| u.key.as_str())
+        .collect();
+    dead.sort();
+    let mut expected_dead: Vec<&str> = poison.iter().map(String::as_str).collect();
+    expected_dead.sort();
+    assert_eq!(
+        unsent.len(),
+        dead.len(),
+        "no pending rows left: {:?}",
+        unsent.iter().map(|u| &u.key).collect::<Vec<_>>()
+    );
+    assert_eq!(dead, expected_dead, "no dead letter but the poison rows");
+    assert_eq!(rows.other, poison.len() as i64);
     assert_eq!(rows.leased, 0, "no row left leased");
     for kind in kinds {
         assert!(
@@ -662,9 +758,16 @@ async fn pause_beyond_lease(relays: &mut Relays, admin: &mut AsyncPgConnection, 
     }
 }
 
-/// One writer transaction; returns whether it committed. `roll` 0 rolls back the whole
-/// transaction, 1 rolls back to a savepoint (the message and its business row), others
-/// commit.
+/// How a writer transaction ended.
+enum Written {
+    Committed,
+    RolledBack,
+    /// The connection failed on the way: it may or may not have committed.
+    Unknown,
+}
+
+/// One writer transaction. `roll` 0 rolls back the whole transaction, 1 rolls back to a
+/// savepoint (the message and its business row), others commit.
 async fn write(
     conn: &mut AsyncPgConnection,
     outbox: &Outbox,
@@ -672,7 +775,7 @@ async fn write(
     key: &str,
     aggregate: &str,
     roll: u8,
-) -> bool {
+) -> Written {
     let result = conn
         .transaction(async |c| {
             let unit = async |c: &mut AsyncPgConnection| {
@@ -726,7 +829,101 @@ async fn write(
             Ok(())
         })
         .await;
-    result.is_ok()
+    match result {
+        Ok(()) => Written::Committed,
+        Err(Error::InvalidMessage(_)) => Written::RolledBack,
+        Err(_) => Written::Unknown,
+    }
+}
+
+/// Whether the business row of `key` exists: ground truth for a commit whose outcome the
+/// writer could not see.
+async fn committed_order(conn: &mut AsyncPgConnection, schema: &str, key: &str) -> bool {
+    #[derive(QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let n: N = diesel::sql_query(format!(
+        "SELECT count(*) AS n FROM {schema}.orders WHERE key = $1"
+    ))
+    .bind::<Text, _>(key)
+    .get_result(conn)
+    .await
+    .expect("PostgreSQL answers after reconnecting");
+    n.n == 1
+}
+
+/// A connection whose `search_path` is `schema`, once PostgreSQL answers again.
+async fn reconnect(schema: &str) -> AsyncPgConnection {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(mut conn) = AsyncPgConnection::establish(&common::database_url()).await
+            && conn
+                .batch_execute(&format!("SET search_path TO \"{schema}\""))
+                .await
+                .is_ok()
+        {
+            return conn;
+        }
+        assert!(Instant::now() < deadline, "PostgreSQL did not come back");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn restart_postgres() {
+    let version = std::fs::read_dir("/etc/postgresql")
+        .expect("a local PostgreSQL cluster")
+        .flatten()
+        .next()
+        .expect("a cluster version")
+        .file_name();
+    let status = Command::new("pg_ctlcluster")
+        .args(["--skip-systemctl-redirect"])
+        .arg(&version)
+        .args(["main", "restart"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("pg_ctlcluster");
+    assert!(status.success(), "pg_ctlcluster restart failed");
+}
+
+/// The kinds of poison row [`write_poison`] writes, in turn.
+const POISON_KINDS: usize = 4;
+
+/// Writes the `n`-th poison row by SQL, into one of the business aggregates (so it blocks
+/// that aggregate until it dies): headers serde cannot read, an `infinity` enqueue time,
+/// headers too large for the broker's frame, or a `CC` header. Returns its key.
+async fn write_poison(
+    conn: &mut AsyncPgConnection,
+    table: &str,
+    n: usize,
+    aggregates: usize,
+) -> String {
+    let kinds: [(&str, &str, &str); POISON_KINDS] = [
+        ("huge-number", "'{\"n\": 1e400}'::jsonb", "now()"),
+        ("infinite", "'{}'::jsonb", "'infinity'"),
+        (
+            "oversized-headers",
+            "jsonb_build_object('h', repeat('x', 300000))",
+            "now()",
+        ),
+        ("cc-header", "'{\"CC\": \"elsewhere\"}'::jsonb", "now()"),
+    ];
+    let (kind, headers, created_at) = kinds[n % kinds.len()];
+    let key = format!("poison-{kind}-{n}");
+    let aggregate = format!("agg{}", fastrand::usize(1..=aggregates));
+    diesel::sql_query(format!(
+        "INSERT INTO {table} (idempotency_key, topic, aggregate_key, payload, headers, created_at) \
+         VALUES ($1, 'fault.order', $2, '\\x00'::bytea, {headers}, {created_at})"
+    ))
+    .bind::<Text, _>(&key)
+    .bind::<Text, _>(&aggregate)
+    .execute(conn)
+    .await
+    .unwrap();
+    key
 }
 
 /// The consumer: dedupe and the effect in one transaction, ack after commit. Reconnects
@@ -797,6 +994,10 @@ async fn consume(
                     Ok::<_, Error>(())
                 })
                 .await;
+            if effect.is_err() {
+                // The database went away (restart, terminated backend): redelivery follows.
+                conn = reconnect(&schema).await;
+            }
             let settle = async {
                 match effect {
                     Ok(()) => delivery.ack(BasicAckOptions::default()).await,
@@ -857,4 +1058,124 @@ fn authority(url: &str) -> String {
 fn with_application_name(url: &str, name: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}application_name={name}")
+}
+
+/// Restores the broker's memory watermark when dropped, so a failing test cannot leave the
+/// broker blocking every publisher.
+struct Watermark(String);
+
+impl Watermark {
+    /// Sets the memory high watermark to 0, which raises the memory alarm at once: the
+    /// broker blocks every connection that publishes.
+    fn raise_alarm() -> Watermark {
+        let status = Command::new("rabbitmqctl")
+            .arg("status")
+            .output()
+            .expect("rabbitmqctl");
+        let text = String::from_utf8_lossy(&status.stdout);
+        // "Memory high watermark setting: 0.4 of available memory, computed to: ..."
+        let current = text
+            .lines()
+            .find_map(|l| l.strip_prefix("Memory high watermark setting: "))
+            .and_then(|rest| rest.split(' ').next())
+            .filter(|v| v.parse::<f64>().is_ok_and(|v| v > 0.0))
+            .unwrap_or("0.4")
+            .to_owned();
+        rabbitmqctl(&["set_vm_memory_high_watermark", "0"]);
+        Watermark(current)
+    }
+}
+
+impl Drop for Watermark {
+    fn drop(&mut self) {
+        rabbitmqctl(&["set_vm_memory_high_watermark", &self.0]);
+    }
+}
+
+/// A broker that blocks its publishers (a resource alarm) is an outage like a broker that
+/// is down: nothing is charged an attempt, `stats` shows the relay blocked, and everything
+/// goes out once the alarm clears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_blocked_by_a_resource_alarm_spends_no_attempts() {
+    use diesel_outbox::rabbitmq::RabbitMqPublisher;
+    let _serial = SERIAL.lock().await;
+    let schema = TestSchema::new().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("outbox"))
+        .build()
+        .unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let broker = common::broker::TestBroker::new("#").await;
+    let publisher = RabbitMqPublisher::builder(amqp_url(), &broker.exchange)
+        .confirm_timeout(Duration::from_secs(1))
+        .connect()
+        .await
+        .unwrap();
+    let relay = outbox
+        .relay(common::pool(3).await, publisher)
+        .max_attempts(2)
+        .backoff(Duration::from_millis(20), Duration::from_millis(100))
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let alarm = Watermark::raise_alarm();
+    for i in 0..20 {
+        outbox
+            .enqueue(&mut conn, Message::new("t", "x").key(format!("k{i:02}")))
+            .await
+            .unwrap();
+    }
+    // Ten times max_attempts × backoff max, and then some.
+    let blocked_until = Instant::now() + Duration::from_secs(4);
+    let mut blocked_seen = false;
+    while Instant::now() < blocked_until {
+        let stats = outbox.stats(&mut conn).await.unwrap();
+        assert_eq!(
+            stats.dead, 0,
+            "a dead letter while the broker blocks publishers"
+        );
+        blocked_seen |= stats.blocked_for.is_some();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(blocked_seen, "stats never showed the relay blocked");
+    drop(alarm);
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let stats = outbox.stats(&mut conn).await.unwrap();
+        if stats.sent == 20 {
+            assert_eq!(stats.dead, 0);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not drained after the alarm: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    #[derive(QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let charged: N = diesel::sql_query(format!(
+        "SELECT count(*) AS n FROM {} WHERE attempts <> 1",
+        outbox.table()
+    ))
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(charged.n, 0, "every message sent on its first attempt");
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
 }

@@ -11,6 +11,7 @@ use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Error, Outbox, PgPool};
+use futures_util::FutureExt;
 use serde_json::json;
 
 /// Exit codes: 0 success, 1 other failure, 2 usage error, 3 connection failure, 4 table not
@@ -459,6 +460,23 @@ async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    // Installed before anything else, so a signal during start-up stops the process cleanly
+    // too (rather than killing it).
+    let shutdown = shutdown_signal().shared();
+    let relay = tokio::select! {
+        relay = start_relay(outbox, database_url, &args) => relay?,
+        () = shutdown.clone() => return Ok(()),
+    };
+    relay.run_until(shutdown).await?;
+    Ok(())
+}
+
+/// Connects to the database and the broker and builds the relay.
+async fn start_relay(
+    outbox: &Outbox,
+    database_url: &str,
+    args: &RelayArgs,
+) -> Result<diesel_outbox::Relay<RabbitMqPublisher>, Failure> {
     let pool = PgPool::builder()
         .max_size(args.pool_size.max(1))
         .test_on_check_out(false)
@@ -489,9 +507,7 @@ async fn relay(outbox: &Outbox, database_url: &str, args: RelayArgs) -> Result<(
     if args.without_notify {
         builder = builder.without_notify();
     }
-    let relay = builder.build()?;
-    relay.run_until(shutdown_signal()).await?;
-    Ok(())
+    Ok(builder.build()?)
 }
 
 /// Targets of dependencies that log payloads or credentials, and the most they may log:
@@ -535,28 +551,36 @@ fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
     })
 }
 
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when
+/// the future is first polled.
+fn shutdown_signal() -> futures_util::future::BoxFuture<'static, ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
+        let interrupt = signal(SignalKind::interrupt());
+        let terminate = signal(SignalKind::terminate());
+        Box::pin(async move {
+            match (interrupt, terminate) {
+                (Ok(mut interrupt), Ok(mut terminate)) => {
+                    tokio::select! {
+                        _ = interrupt.recv() => {}
+                        _ = terminate.recv() => {}
+                    }
+                }
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
                 }
             }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
+            tracing::info!("shutdown signal received");
+        })
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        Box::pin(async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutdown signal received");
+        })
     }
-    tracing::info!("shutdown signal received");
 }
 
 /// Secrets to scrub from any message: the URLs and their passwords.
