@@ -51,38 +51,63 @@
 //! # The relay
 //! [`Outbox::relay`] builds a [`Relay`] on a bb8 pool ([`PgPool`]) and a [`Publisher`]
 //! (the RabbitMQ one, or your own through [`publisher_fn`]). Each cycle:
-//! 1. **claims** up to `batch_size` due rows in one statement (`FOR UPDATE SKIP LOCKED`, so
-//!    relays pass over each other), stamping a lease and incrementing the fencing token. Of
-//!    an aggregate only its oldest pending row (its head) is claimed on its own; behind a
-//!    head on its first attempt the claim also takes the run of due successors (up to the
-//!    batch size, at most 1,000), which only the relay holding the head can get;
+//! 1. **claims** up to `batch_size` due rows, and at most `max_batch_bytes` of payload and
+//!    headers, in one statement (`FOR UPDATE SKIP LOCKED`, so relays pass over each other),
+//!    stamping a lease and incrementing the fencing token. Of an aggregate only its oldest
+//!    pending row (its head) is claimed on its own; behind a head on its first attempt the
+//!    claim also takes the run of due successors (the batch's room is shared among the
+//!    heads, at most 1,000 each), locked and checked again, and cut at the first one that
+//!    is not available. No two relays ever hold leases on rows of one aggregate: a head is
+//!    left alone while another relay holds leases among its next successors;
 //! 2. **publishes** outside any transaction, holding no connection: one by one up to
 //!    `concurrency` at a time, or the whole batch at once for a pipelining publisher;
-//! 3. **records** every outcome of the batch in one statement fenced by token and status:
-//!    sent, retry (capped exponential backoff with jitter), or dead (after `max_attempts`,
-//!    or a permanent error).
+//! 3. **records** the outcomes in one statement fenced by token and status: sent, retry
+//!    (capped exponential backoff with jitter), dead (after `max_attempts`, or a permanent
+//!    error), or released (attempt given back).
 //!
 //! Up to three batches publish at once, each on a task of its own that then records the
 //! outcomes, and the relay keeps the next batch claimed and waiting, so the broker is fed
-//! again the moment a batch's confirms are in and database and broker work overlap. A claim
-//! also takes, behind each aggregate's oldest pending message, the run of its due successors;
-//! the relay publishes such a run one message at a time, each after its predecessor's
+//! again the moment a batch's confirms are in and database and broker work overlap. A run
+//! of one aggregate is published one message at a time, each after its predecessor's
 //! confirm, so a backlog of one aggregate drains at the broker's round-trip speed. After a
 //! failure the rest of the run is released untried. When nothing is due the relay sleeps
 //! until a NOTIFY (held on a dedicated connection that reconnects by itself) or
-//! `poll_interval`. A row that keeps crashing or hanging relays
-//! goes dead once claimed more than `max_attempts` times; a row that cannot be decoded dies
-//! alone. Shutdown ([`Relay::run_until`]) drains publishes under way and releases the rest
-//! without spending their attempts. Times always come from the database clock.
+//! `poll_interval`. Times always come from the database clock.
+//!
+//! # Failure isolation
+//! One bad message costs nothing but itself:
+//! - **A publish that does not finish** is abandoned after half the lease (and never later
+//!   than a tenth of the lease before it ends) and recorded as a transient failure
+//!   ("publish timed out"). A batch waiting only on such a publish records its other
+//!   outcomes at once and gives its publishing slot back, so the relay goes on claiming and
+//!   publishing; a confirmed message is never claimed again because a neighbour hung.
+//! - **A publisher future that panics** fails only its own record ("publisher panicked").
+//! - **A row that cannot be decoded** (headers that are not a JSON object of strings or
+//!   that serde cannot hold, such as `1e400`; an enqueue time such as `infinity`) dies
+//!   alone with its reason; so does a row the broker cannot take (for RabbitMQ: a header
+//!   frame over `frame_max`, a `CC` or `BCC` header).
+//! - **A row that keeps crashing or hanging relays** goes dead once claimed more than
+//!   `max_attempts` times without an outcome.
+//! - **The broker out of reach** ([`PublishError::unavailable`]) is nobody's message's
+//!   fault: claimed rows are released with their attempts given back, the relay backs off
+//!   as a whole (capped exponential, at most 30 s, reset by the first publish that works),
+//!   logs the outage once at warn and every minute at error, calls [`Metrics::blocked`] and
+//!   [`Metrics::unblocked`], and [`Stats::blocked_for`] shows it. A broker down for an hour
+//!   dead-letters nothing, and the backlog drains once it is back.
+//!
+//! Shutdown ([`Relay::run_until`]) drains publishes under way for `drain_timeout`, releases
+//! the rest without spending their attempts, and returns within the drain timeout and about
+//! a second more.
 //!
 //! Hazards, stated plainly:
 //! - Delivery is at least once: a crash between the broker's confirm and the outcome's
-//!   commit, or a publish slower than the `lease`, publishes the same key again.
+//!   commit, a publish abandoned at its deadline that the broker took after all, or a
+//!   batch cut off by the drain timeout, publishes the same key again.
 //! - A dead letter stops blocking its aggregate: later messages of that aggregate go out,
 //!   and a redriven dead letter is published after them, out of order.
 //! - Ids of concurrent transactions commit out of order, so serialise the writers of one
 //!   aggregate (a row lock on the aggregate) if its order matters.
-//!
+
 //! # Features
 //! - `sync`: the `sync` module, for `diesel::PgConnection` (links libpq).
 //! - `rabbitmq`: the RabbitMQ publisher, `rabbitmq::RabbitMqPublisher` (lapin).
@@ -92,8 +117,11 @@
 //!
 //! # Schema
 //! [`Outbox::migrate`] creates the table `<name>`, the inbox `<name>_inbox`, the version
-//! table `<name>_migrations` and the relays' wake-up table `<name>_relays` (one transaction, advisory lock, safe from many processes).
-//! [`Outbox::sql`] gives the same statements to your own migration tool, and [`MIGRATIONS`]
+//! table `<name>_migrations` and `<name>_relays`, where running relays keep a record (idle
+//! or not, and since when their broker has been unreachable). It runs in one transaction
+//! under an advisory lock, safe from many processes, and applies only the missing schema
+//! versions. [`Outbox::sql`] gives the same statements to your own migration tool,
+//! [`Outbox::diesel_migrations`] one diesel CLI migration per version, and [`MIGRATIONS`]
 //! embeds them for diesel's harness (default table only).
 //!
 //! # Wake-up

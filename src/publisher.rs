@@ -147,8 +147,12 @@ pub type BatchResults<'a> =
 ///
 /// `publish` must return `Ok` only once the broker has taken responsibility for the message
 /// (for RabbitMQ: the publisher confirm). The relay publishes outside any transaction and
-/// holds no database connection meanwhile. Delivery is at least once: after a crash, a lost
-/// connection or an expired lease the same record (same key) is published again.
+/// holds no database connection meanwhile. Each publish has a deadline of half the lease,
+/// after which the relay drops its future and records a transient failure; a panicking
+/// publish fails only its own record. Return [`PublishError::unavailable`] when the broker
+/// cannot be reached at all, so the relay holds off instead of spending attempts. Delivery
+/// is at least once: after a crash, a lost connection, an abandoned publish or an expired
+/// lease the same record (same key) is published again.
 ///
 /// ```
 /// use diesel_outbox::{PublishError, Publisher, Record};
@@ -172,7 +176,9 @@ pub trait Publisher: Send + Sync + 'static {
     /// Publishes a whole claimed batch at once, for brokers that pipeline (send everything,
     /// then await every confirm). Yields one result per record, in any order; results may
     /// arrive together once every confirm is in (the RabbitMQ publisher does that, so its
-    /// returns can be matched), so keep its confirm timeout below the relay's drain timeout.
+    /// returns can be matched). The relay waits for the stream at most half its lease, then
+    /// fails the records without a result ("publish timed out"); a panic in the stream fails
+    /// the records without a result ("publisher panicked").
     ///
     /// The default returns `None`: the relay then calls [`Publisher::publish`] per record,
     /// up to its `concurrency` at a time, and on shutdown does not start the records it has

@@ -14,7 +14,10 @@
 //! The broker being out of reach is not a message's fault: connection refused or lost
 //! before a record was written, a failed login, the exchange missing, or the connection
 //! blocked by a resource alarm are reported as [`PublishError::unavailable`], and the relay
-//! releases such records without spending their attempts.
+//! releases such records without spending their attempts. When the channel or connection
+//! goes down under records already written, the first of them is charged a transient
+//! failure (it may be the one that brought it down, and must not be retried forever) and
+//! the others are released.
 //!
 //! Before anything is written, each record is checked against what RabbitMQ itself accepts,
 //! and fails permanently and alone if it breaks a rule: names and values over 255 bytes
@@ -36,6 +39,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{self, FuturesUnordered};
@@ -82,7 +86,7 @@ pub struct RabbitMqPublisher {
     exchange: ShortString,
     mandatory: bool,
     confirm_timeout: Duration,
-    link: Mutex<Link>,
+    link: Arc<Mutex<Link>>,
 }
 
 impl fmt::Debug for RabbitMqPublisher {
@@ -253,10 +257,14 @@ impl RabbitMqPublisher {
         Ok(lent)
     }
 
-    /// Returns a channel after a batch whose confirms all arrived.
-    async fn give_back(&self, channel: Channel) {
+    /// Returns a channel after a batch whose confirms all arrived, without waiting for the
+    /// link (another batch may hold it while it connects).
+    fn give_back(&self, channel: Channel) {
         if channel.status().connected() {
-            self.link.lock().await.idle.push(channel);
+            let link = self.link.clone();
+            tokio::spawn(async move {
+                link.lock().await.idle.push(channel);
+            });
         }
     }
 
@@ -364,7 +372,7 @@ impl RabbitMqPublisher {
         // A channel whose confirms did not all come may be stuck, and late returns would
         // land on the next batch: it is not reused.
         if complete && unwritten.is_none() {
-            self.give_back(channel).await;
+            self.give_back(channel);
         }
         results
     }
@@ -376,6 +384,13 @@ enum Settled {
     Ack,
     Nack,
     Failed(PublishError),
+    /// The channel or connection went down after the record was written. lapin fails every
+    /// confirm still awaited on it alike, so whose fault it was is not known: see
+    /// [`Confirms::finish`].
+    Lost {
+        exchange_missing: bool,
+        text: String,
+    },
 }
 
 /// A message the broker returned (unroutable with `mandatory`).
@@ -407,16 +422,28 @@ fn settled(confirmation: lapin::Result<Confirmation>) -> (Settled, Option<Return
             )),
             None,
         ),
-        Err(e) => (
-            Settled::Failed(classify(&e, format!("confirm failed: {e}"))),
-            None,
-        ),
+        Err(e) => {
+            let exchange_missing = matches!(
+                e.kind(),
+                ErrorKind::ProtocolError(amqp)
+                    if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+            );
+            (
+                Settled::Lost {
+                    exchange_missing,
+                    text: format!("confirm failed: {e}"),
+                },
+                None,
+            )
+        }
     }
 }
 
-/// Whether a lapin error says the broker is out of reach (an outage) or something about
-/// what was sent failed. A connection the broker closed for a protocol error may have been
-/// closed because of a message, so that one spends attempts.
+/// Whether a lapin error from writing a record says the broker is out of reach (an outage:
+/// the record was not written) or something about the record failed. A channel or
+/// connection the broker closed with an error about what was sent (a refused routing key,
+/// say) spends attempts; only a missing exchange and a forced close (a broker shutting
+/// down) are outages.
 fn classify(err: &lapin::Error, text: String) -> PublishError {
     match err.kind() {
         ErrorKind::IOError(_)
@@ -425,7 +452,7 @@ fn classify(err: &lapin::Error, text: String) -> PublishError {
         | ErrorKind::InvalidChannelState(..)
         | ErrorKind::ChannelsLimitReached => PublishError::unavailable(text),
         ErrorKind::ProtocolError(amqp) => match amqp.kind() {
-            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND | AMQPSoftError::ACCESSREFUSED)
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
             | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED) => {
                 PublishError::unavailable(text)
             }
@@ -465,6 +492,9 @@ struct Confirms<'a> {
     records: &'a [Record],
     results: Vec<Option<std::result::Result<(), PublishError>>>,
     returned: Vec<Returned>,
+    /// Records whose confirm failed because the channel went down: `(index, exchange
+    /// missing, error)`.
+    lost: Vec<(usize, bool, String)>,
 }
 
 impl<'a> Confirms<'a> {
@@ -473,6 +503,7 @@ impl<'a> Confirms<'a> {
             records,
             results: records.iter().map(|_| None).collect(),
             returned: Vec::new(),
+            lost: Vec::new(),
         }
     }
 
@@ -488,16 +519,38 @@ impl<'a> Confirms<'a> {
             Settled::Ack => Ok(()),
             Settled::Nack => Err(PublishError::transient("the broker nacked the message")),
             Settled::Failed(err) => Err(err),
+            Settled::Lost {
+                exchange_missing,
+                text,
+            } => {
+                self.lost.push((i, exchange_missing, text));
+                return;
+            }
         });
     }
 
     /// One result per record: a returned record failed whatever its own confirm said; a
-    /// record without a confirm failed with `unconfirmed()`.
+    /// record without a confirm failed with `unconfirmed()`. Of the records whose channel
+    /// went down under them, the first written is charged a transient failure (it may be the
+    /// one that brought the channel down; a message that does so every time must end dead,
+    /// not be retried forever) and the others are released as an outage; a missing exchange
+    /// is an outage for all of them.
     fn finish(
         mut self,
         exchange: &str,
         unconfirmed: &dyn Fn() -> PublishError,
     ) -> Vec<std::result::Result<(), PublishError>> {
+        self.lost.sort_by_key(|(i, _, _)| *i);
+        let mut charged = false;
+        for (i, exchange_missing, text) in std::mem::take(&mut self.lost) {
+            let err = if exchange_missing || charged {
+                PublishError::unavailable(text)
+            } else {
+                charged = true;
+                PublishError::transient(text)
+            };
+            self.results[i] = Some(Err(err));
+        }
         let index: HashMap<&str, usize> = self
             .records
             .iter()
@@ -566,13 +619,13 @@ impl RabbitMqPublisherBuilder {
             exchange,
             mandatory: self.mandatory,
             confirm_timeout: self.confirm_timeout,
-            link: Mutex::new(Link::default()),
+            link: Arc::new(Mutex::new(Link::default())),
         };
         let lent = publisher
             .channel()
             .await
             .map_err(|why| Error::Publish(why.into()))?;
-        publisher.give_back(lent.channel).await;
+        publisher.give_back(lent.channel);
         Ok(publisher)
     }
 }
@@ -763,6 +816,37 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("nacked")
+        );
+    }
+
+    #[test]
+    fn a_channel_lost_under_a_batch_charges_only_its_first_written_record() {
+        let records = [record("a"), record("b"), record("c"), record("d")];
+        let lost = |exchange_missing| Settled::Lost {
+            exchange_missing,
+            text: "confirm failed: channel closed".into(),
+        };
+        let mut closed = Confirms::new(&records);
+        closed.settle(0, Settled::Ack, None);
+        closed.settle(3, lost(false), None);
+        closed.settle(1, lost(false), None);
+        closed.settle(2, lost(false), None);
+        let results = closed.finish("x", &|| PublishError::transient("no confirm"));
+        assert!(results[0].is_ok());
+        let b = results[1].as_ref().unwrap_err();
+        assert!(!b.is_unavailable() && !b.is_permanent(), "{b}");
+        assert!(results[2].as_ref().unwrap_err().is_unavailable());
+        assert!(results[3].as_ref().unwrap_err().is_unavailable());
+
+        let mut missing = Confirms::new(&records);
+        for i in 0..4 {
+            missing.settle(i, lost(true), None);
+        }
+        let results = missing.finish("x", &|| PublishError::transient("no confirm"));
+        assert!(
+            results
+                .iter()
+                .all(|r| r.as_ref().unwrap_err().is_unavailable())
         );
     }
 

@@ -136,7 +136,7 @@ impl Statements {
                 "CREATE INDEX IF NOT EXISTS {} ON {inbox} (processed_at)",
                 o("_inbox_processed_idx")
             ),
-            // Which relays are idle and listening, so writers know whether to NOTIFY.
+            // Running relays: idle or not (for operators; writers go by the wake lock).
             // Unlogged: it is rebuilt by the relays themselves after a crash.
             format!(
                 "CREATE UNLOGGED TABLE IF NOT EXISTS {relays} (\n\
@@ -312,9 +312,10 @@ impl Statements {
             // aggregate: after a redrive or a late commit put a row in front of rows already
             // in flight. So each head's next successors (its run, and at least 8) are read,
             // the run's members locked with SKIP LOCKED and checked again, and a head whose
-            // window shows a live lease or a row someone else has locked is left alone:
-            // no two relays ever hold live leases on rows of one aggregate. A run is cut at
-            // its first member that is not available.
+            // window shows a live lease or a row someone else has locked is left alone. So
+            // two relays never hold leases on rows of one aggregate, short of more than 7
+            // rows redriven (or committed late) at once in front of rows in flight. A run is
+            // cut at its first member that is not available.
             //
             // Heads are charged an attempt; run members are charged when published (their
             // outcome says so), so a crash mid-run costs only the head, and the head's next
@@ -393,8 +394,8 @@ impl Statements {
                  t.content_type, t.headers::text AS headers, t.attempts, t.fencing_token, \
                  CASE WHEN t.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' \
                  THEN t.created_at END AS created_at, t.status, NOT {run_member} AS head",
-                bytes = "octet_length(payload) + pg_column_size(headers)",
-                s_bytes = "octet_length(s.payload) + pg_column_size(s.headers)",
+                bytes = "octet_length(payload) + octet_length(headers::text)",
+                s_bytes = "octet_length(s.payload) + octet_length(s.headers::text)",
                 run_member = "t.id = ANY((SELECT runs FROM due)::bigint[])",
                 next_attempt = "least(t.attempts, 2147483646) + 1",
                 crash_loop =

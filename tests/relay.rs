@@ -2035,3 +2035,103 @@ async fn looks_for_work_and_stats_stay_on_the_indexes_whatever_the_statistics() 
         "the relay's looks for work read {read} rows by sequential scan"
     );
 }
+
+/// Records of relays that crashed (and so never removed theirs) go once they have been
+/// expired for a minute, so `<table>_relays` holds live relays only.
+#[tokio::test]
+async fn records_of_crashed_relays_are_removed() {
+    let mut f = fixture().await;
+    let t = f.outbox.table().to_owned();
+    f.conn
+        .batch_execute(&format!(
+            "INSERT INTO {t}_relays (relay_id, idle, expires_at) VALUES \
+             ('crashed-long-ago', true, now() - interval '2 minutes'), \
+             ('just-expired', true, now() - interval '5 seconds')"
+        ))
+        .await
+        .unwrap();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), Recorder::default())
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_idle_relays(1).await;
+    #[derive(QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = Text)]
+        relay_id: String,
+    }
+    let ids: Vec<String> = diesel::sql_query(format!("SELECT relay_id FROM {t}_relays"))
+        .load::<Id>(&mut f.conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.relay_id)
+        .collect();
+    stop_relay(stop, task).await;
+    assert!(!ids.iter().any(|id| id == "crashed-long-ago"), "{ids:?}");
+    assert!(ids.iter().any(|id| id == "just-expired"), "{ids:?}");
+    assert_eq!(ids.len(), 2, "{ids:?}");
+}
+
+/// A database that stops answering (here: the table locked by another session) does not hold
+/// up a shutdown: the relay's claims and bookkeeping are given up at once.
+#[tokio::test]
+async fn shutdown_is_bounded_while_the_database_does_not_answer() {
+    let mut f = fixture().await;
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), Recorder::default())
+        .drain_timeout(Duration::from_millis(200))
+        .poll_interval(Duration::from_millis(20))
+        .without_notify()
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    let mut locker = f.schema.connect().await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+            f.outbox.table()
+        ))
+        .await
+        .unwrap();
+    // Let the relay run into the lock.
+    #[derive(QueryableByName)]
+    struct Waiting {
+        #[diesel(sql_type = Bool)]
+        waiting: bool,
+    }
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let w: Waiting = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+             WHERE NOT l.granted AND c.relname = 'outbox' AND c.relnamespace = $1::regnamespace) \
+             AS waiting",
+        )
+        .bind::<Text, _>(&f.schema.name)
+        .get_result(&mut f.conn)
+        .await
+        .unwrap();
+        if w.waiting {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay never waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopped_at = Instant::now();
+    let _ = stop.send(());
+    let result = tokio::time::timeout(Duration::from_secs(10), task).await;
+    let took = stopped_at.elapsed();
+    eprintln!("run_until returned {took:?} after shutdown");
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    result.expect("run_until returned").unwrap().unwrap();
+    assert!(
+        took < Duration::from_millis(200) + Duration::from_secs(2),
+        "run_until returned {took:?} after shutdown"
+    );
+}

@@ -11,8 +11,9 @@
 //!   has committed or rolled back by then, so the one look the relay takes right after sees
 //!   their rows. From then on every writer notifies, until the relay wakes and lets go.
 //! - A relay that cannot get the lock learns why: another relay holds it (writers notify, so
-//!   it can sleep), or writers do (it looks for their rows now and then). Either way it tries
-//!   again every [`WATCH_RETRY`], so it takes over when the other relay leaves.
+//!   it can sleep, and tries again every [`COVERED_RETRY`] to take over when the other
+//!   leaves), or writers do (it looks for their rows, and tries again, every
+//!   [`WATCH_RETRY`]).
 //!
 //! Locks are not snapshots, so this holds at every isolation level and however long the
 //! writer's transaction was open; the lock of a relay whose connection dies goes with it.
@@ -35,8 +36,14 @@ const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// A silently dead connection delivers nothing; a round trip this often finds out.
 const HEALTH_CHECK: Duration = Duration::from_secs(15);
-/// A relay that wants to be idle but does not hold the wake lock tries again this often.
+/// A relay that wants to be idle while writers hold the wake lock tries again (and looks for
+/// their rows) this often.
 pub(crate) const WATCH_RETRY: Duration = Duration::from_millis(25);
+/// While another relay holds the wake lock (writers notify, and this relay hears them too),
+/// this one tries again this often, to take over if the other goes away.
+const COVERED_RETRY: Duration = Duration::from_millis(100);
+/// The health check gives up after this long.
+const HEALTH_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the listener can tell the relay about the wake lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,12 +202,12 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
                     holding = true;
                     wake.set_watch(Watch::Watching);
                 }
-                Ok(tried) => {
-                    wake.set_watch(if tried.watched {
-                        Watch::Covered
-                    } else {
-                        Watch::Contended
-                    });
+                Ok(tried) if tried.watched => {
+                    wake.set_watch(Watch::Covered);
+                    wait = COVERED_RETRY;
+                }
+                Ok(_) => {
+                    wake.set_watch(Watch::Contended);
                     wait = WATCH_RETRY;
                 }
                 Err(e) => return format!("taking the wake lock failed: {e}"),
@@ -241,8 +248,10 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
         }
         if timed_out && wait == HEALTH_CHECK {
             // Notifications that arrive meanwhile are buffered by the connection.
-            if let Err(e) = conn.batch_execute("SELECT 1").await {
-                return format!("health check failed: {e}");
+            match tokio::time::timeout(HEALTH_CHECK_TIMEOUT, conn.batch_execute("SELECT 1")).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return format!("health check failed: {e}"),
+                Err(_) => return "health check got no answer".to_owned(),
             }
         }
     }

@@ -83,16 +83,19 @@ impl<P: Publisher> RelayBuilder<P> {
     /// Records of one batch published at once when the publisher publishes one by one
     /// (1 to 1,024); a pipelining publisher gets the whole batch instead. Up to three
     /// batches publish at once (and more may be recording their outcomes) while the relay
-    /// claims the next, so a relay may run up to three times this many publishes.
-    /// Defaults to 4.
+    /// claims the next, so a relay runs up to three times this many publishes, besides the
+    /// stragglers of batches that wait only on slow publishes (over a second, or an eighth
+    /// of the lease): such a batch gives its slot back while they finish (up to nine such
+    /// batches) and takes one again before it publishes more. Defaults to 4.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.options.concurrency = n;
         self
     }
 
     /// How long a claim is exclusive (100 ms to 1 day). After it another relay may claim
-    /// the row again, and this relay's late outcome is discarded (fencing). Make it longer
-    /// than a publish can take. Defaults to 30 s.
+    /// the row again, and this relay's late outcome is discarded (fencing). A publish may
+    /// take half of it: then the relay abandons it and records a transient failure
+    /// ("publish timed out"). Defaults to 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.options.lease = lease;
         self
@@ -122,8 +125,9 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
-    /// On shutdown, how long publishes under way may take to finish (at most 1 hour); the
-    /// rest are released without spending an attempt. Defaults to 10 s.
+    /// On shutdown, how long publishes under way may take to finish (at most half the
+    /// lease, and 1 hour); the rest are released without spending an attempt. Defaults to
+    /// 10 s.
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.options.drain_timeout = timeout;
         self
@@ -260,9 +264,9 @@ const BUSY_POLL_MAX: Duration = Duration::from_millis(160);
 const LINGER: Duration = Duration::from_millis(50);
 /// How often it looks while lingering.
 const LINGER_POLL: Duration = Duration::from_millis(1);
-/// An idle relay renews its record this often...
+/// An idle (or blocked) relay renews its record in `<table>_relays` this often...
 const IDLE_REFRESH: Duration = Duration::from_secs(10);
-/// ...and the record lapses after this long, so a crashed relay stops drawing NOTIFYs.
+/// ...and the record lapses after this long, so a crashed relay drops out of `stats`.
 const IDLE_TTL: Duration = Duration::from_secs(35);
 
 /// Completes once `stop` turns true (or its sender is gone).
@@ -271,12 +275,38 @@ pub(crate) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|stopping| *stopping).await.map(|_| ());
 }
 
+/// `work`'s output, or `None` if `stop` turns true first (then `work` is dropped): the
+/// relay's own database work never holds up a shutdown.
+async fn or_stop<T>(stop: &watch::Receiver<bool>, work: impl Future<Output = T>) -> Option<T> {
+    let mut stop = stop.clone();
+    tokio::select! {
+        out = work => Some(out),
+        () = until_stopped(&mut stop) => None,
+    }
+}
+
 /// Aborts a background task when dropped, so a dropped relay leaks nothing.
-struct AbortOnDrop(JoinHandle<()>);
+struct AbortOnDrop(Option<JoinHandle<()>>);
+
+impl AbortOnDrop {
+    fn new(task: JoinHandle<()>) -> Self {
+        AbortOnDrop(Some(task))
+    }
+
+    /// Aborts the task and waits until it is gone (so it changes no state afterwards).
+    async fn stop(mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        self.0.abort();
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
     }
 }
 
@@ -320,7 +350,7 @@ impl<P: Publisher> Relay<P> {
         tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
         let listener = inner.options.listen.then(|| {
             let sql = inner.outbox.statements();
-            AbortOnDrop(tokio::spawn(listener::run(
+            AbortOnDrop::new(tokio::spawn(listener::run(
                 inner.pool.clone(),
                 listener::Sql {
                     listen: sql.listen.clone(),
@@ -334,7 +364,7 @@ impl<P: Publisher> Relay<P> {
         let _janitor = (inner.options.retention.is_some()
             || inner.options.inbox_retention.is_some())
         .then(|| {
-            AbortOnDrop(tokio::spawn(janitor::run(
+            AbortOnDrop::new(tokio::spawn(janitor::run(
                 inner.outbox.clone(),
                 inner.pool.clone(),
                 inner.options.retention,
@@ -353,7 +383,9 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         };
-        drop(listener);
+        if let Some(listener) = listener {
+            listener.stop().await;
+        }
         run.wake.set_listening(false);
         tracing::info!(table = %table, relay = %run.id, "relay stopped");
         result
@@ -395,7 +427,7 @@ impl<P: Publisher> Relay<P> {
                 && let Ok(slot) = slots.clone().try_acquire_owned()
             {
                 let batch = ready.take().expect("checked above");
-                self.start(&mut in_flight, batch, Some(slot), run, &stop);
+                self.start(&mut in_flight, batch, (Some(slot), &slots), run, &stop);
             }
             let backing_off = inner.outage.retry_at();
             let stalled = run.stalled.load(Ordering::SeqCst);
@@ -451,7 +483,8 @@ impl<P: Publisher> Relay<P> {
                     }
                     // A slot is free: the waiting batch starts at the top of the loop.
                     _ = slots.acquire(), if ready.is_some() => {}
-                    () = tokio::time::sleep_until(next_look), if ready.is_none() => claim_more = true,
+                    // Without room to claim, only a finishing batch makes room.
+                    () = tokio::time::sleep_until(next_look), if ready.is_none() && room => claim_more = true,
                     // Blocked time is kept current in `<table>_relays`.
                     () = tokio::time::sleep_until(blocked_written.1 + IDLE_REFRESH), if backing_off.is_some() => {}
                     () = until_stopped(&mut stopped) => break Ok(()),
@@ -535,7 +568,18 @@ impl<P: Publisher> Relay<P> {
         // Shutdown: a batch still waiting is released; batches in flight drain (their tasks
         // saw `stop`), then are recorded, all within the drain timeout and a grace.
         if let Some(batch) = ready {
-            self.start(&mut in_flight, batch, None, run, &stop);
+            if result.is_ok() {
+                self.start(&mut in_flight, batch, (None, &slots), run, &stop);
+            } else {
+                // The relay stops on an error: give the waiting batch back untried.
+                let outcomes: Vec<Outcome> = batch
+                    .ready
+                    .iter()
+                    .map(|c| Outcome::release(&c.record, c.token))
+                    .collect();
+                self.record(&outcomes, Instant::now() + RECORD_GRACE, None)
+                    .await;
+            }
         }
         while let Some(done) = in_flight.join_next().await {
             self.finished(done);
@@ -585,13 +629,13 @@ impl<P: Publisher> Relay<P> {
         &self,
         in_flight: &mut JoinSet<()>,
         batch: Batch,
-        permit: Option<OwnedSemaphorePermit>,
+        (permit, slots): (Option<OwnedSemaphorePermit>, &Arc<Semaphore>),
         run: &Run,
         stop: &watch::Receiver<bool>,
     ) {
         let this = self.clone();
         let stop = stop.clone();
-        let slot = Slot::new(permit, run.stalled.clone());
+        let slot = Slot::new(permit, Some(slots.clone()), run.stalled.clone());
         in_flight.spawn(async move {
             this.run_batch(batch, stop, slot).await;
         });
@@ -606,8 +650,8 @@ impl<P: Publisher> Relay<P> {
         }
     }
 
-    /// Records whether this run is idle and listening (writers NOTIFY only then).
-    /// Returns whether that worked; on failure writers simply do not wake this relay.
+    /// Records in `<table>_relays` whether this run is idle (for operators: writers go by the
+    /// wake lock). Returns whether that worked.
     async fn mark_idle(&self, run: &Run, idle: bool) -> bool {
         let blocked = self.inner.outage.since().map(|since| since.elapsed());
         self.write_state(run, idle, blocked).await
@@ -620,24 +664,23 @@ impl<P: Publisher> Relay<P> {
         let due = since.is_some() && written.1.elapsed() >= IDLE_REFRESH;
         if since != written.0 || due {
             let blocked = since.map(|s| s.elapsed());
-            if self.write_state(run, false, blocked).await {
-                *written = (since, Instant::now());
-            }
+            // Tried, whether or not it worked: a failing write is tried again a refresh later,
+            // not on every turn of the loop.
+            self.write_state(run, false, blocked).await;
+            *written = (since, Instant::now());
         }
     }
 
     async fn write_state(&self, run: &Run, idle: bool, blocked: Option<Duration>) -> bool {
         let inner = &self.inner;
-        let result = async {
-            let Some(conn) = self.checkout(Some(&run.stop)).await else {
-                return Ok(());
-            };
+        let writing = async {
+            let mut conn = inner.pool.get().await?;
             inner
                 .outbox
-                .set_relay_state(&mut *conn?, &run.id, idle, IDLE_TTL, blocked)
+                .set_relay_state(&mut conn, &run.id, idle, IDLE_TTL, blocked)
                 .await
-        }
-        .await;
+        };
+        let result = or_stop(&run.stop, writing).await.unwrap_or(Ok(()));
         if let Err(e) = &result {
             tracing::debug!(table = %inner.outbox.table(), error = %e, idle, "recording relay state failed");
         }
@@ -667,7 +710,7 @@ impl<P: Publisher> Relay<P> {
         let claimed = batch.claimed();
         if claimed > 0 {
             let (_keep, never) = watch::channel(false);
-            let slot = Slot::new(None, Arc::new(AtomicUsize::new(0)));
+            let slot = Slot::new(None, None, Arc::new(AtomicUsize::new(0)));
             self.run_batch(batch, never, slot).await;
         }
         Ok(claimed)
@@ -679,29 +722,35 @@ impl<P: Publisher> Relay<P> {
         &self,
         stop: Option<&watch::Receiver<bool>>,
     ) -> Option<Result<PooledConnection<'_>>> {
-        let get = self.inner.pool.get();
-        let Some(stop) = stop else {
-            return Some(get.await.map_err(Error::from));
-        };
-        let mut stop = stop.clone();
-        tokio::select! {
-            conn = get => Some(conn.map_err(Error::from)),
-            () = until_stopped(&mut stop) => None,
+        let get = async { self.inner.pool.get().await.map_err(Error::from) };
+        match stop {
+            None => Some(get.await),
+            Some(stop) => or_stop(stop, get).await,
         }
     }
 
-    /// Claims up to `batch_size` due rows (none once `stop` is true).
+    /// Claims up to `batch_size` due rows (none once `stop` is true: a claim that has not
+    /// answered by then is given up, and what it may have claimed waits for its lease).
     async fn claim(&self, stop: Option<&watch::Receiver<bool>>) -> Result<Batch> {
         let inner = &self.inner;
         let started = Instant::now();
-        let Some(conn) = self.checkout(stop).await else {
-            return Ok(Batch::default());
+        let claiming = async {
+            let Some(conn) = self.checkout(None).await else {
+                return Ok(Batch::default());
+            };
+            let mut conn = conn?;
+            inner
+                .outbox
+                .claim(&mut conn, &inner.options.claim_limits())
+                .await
         };
-        let mut conn = conn?;
-        let batch = inner
-            .outbox
-            .claim(&mut conn, &inner.options.claim_limits())
-            .await?;
+        let batch = match stop {
+            None => claiming.await?,
+            Some(stop) => match or_stop(stop, claiming).await {
+                Some(batch) => batch?,
+                None => Batch::default(),
+            },
+        };
         let claimed = batch.claimed();
         if claimed > 0 {
             inner.metrics.claimed(claimed);
@@ -710,9 +759,15 @@ impl<P: Publisher> Relay<P> {
         Ok(batch)
     }
 
-    /// Records outcomes, retrying briefly until `by`: a row whose outcome is lost stays
-    /// leased until its lease ends and is then published again.
-    pub(super) async fn record(&self, outcomes: &[Outcome], by: Instant) {
+    /// Records outcomes, retrying until `by`, or until [`RECORD_GRACE`] after `stop` turns
+    /// true: a row whose outcome is lost stays leased until its lease ends and is then
+    /// published again.
+    pub(super) async fn record(
+        &self,
+        outcomes: &[Outcome],
+        by: Instant,
+        stop: Option<watch::Receiver<bool>>,
+    ) {
         if outcomes.is_empty() {
             return;
         }
@@ -738,8 +793,23 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         };
-        match tokio::time::timeout_at(by, attempts).await {
-            Ok(Ok::<usize, Error>(fenced)) => {
+        let shutdown = async {
+            match stop {
+                Some(mut stop) => {
+                    until_stopped(&mut stop).await;
+                    tokio::time::sleep(RECORD_GRACE).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let bounded = async {
+            tokio::select! {
+                recorded = tokio::time::timeout_at(by, attempts) => recorded.ok(),
+                () = shutdown => None,
+            }
+        };
+        match bounded.await {
+            Some(Ok::<usize, Error>(fenced)) => {
                 tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
                 if fenced > 0 {
                     tracing::warn!(
@@ -749,7 +819,7 @@ impl<P: Publisher> Relay<P> {
                     inner.metrics.fenced(fenced);
                 }
             }
-            Ok(Err(_)) | Err(_) => {
+            Some(Err(_)) | None => {
                 tracing::error!(
                     table = %inner.outbox.table(), rows = outcomes.len(),
                     "recording outcomes failed; the rows will be published again after their lease"

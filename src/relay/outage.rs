@@ -1,7 +1,8 @@
 //! The broker being out of reach: a relay-level state, not a message's failure.
 //!
 //! While it lasts the relay releases what it claimed without spending attempts, claims
-//! again only after a capped exponential backoff (reset by the first publish that works),
+//! again only after a capped exponential backoff, one step per try (reset by the first
+//! publish that started after the outage began and went through),
 //! logs the outage once at warn and then every minute at error, and reports it through
 //! `Metrics` and its record in `<table>_relays` (which `stats` reads).
 
@@ -33,7 +34,8 @@ struct State {
 }
 
 impl Outage {
-    /// A publish found the broker unavailable.
+    /// A wave of publishes found the broker unavailable. Batches failing together while the
+    /// relay already backs off count once, so the backoff grows per try, not per batch.
     pub(super) fn report(
         &self,
         table: &str,
@@ -43,10 +45,12 @@ impl Outage {
     ) {
         let now = Instant::now();
         let mut state = self.state.lock().expect("outage state");
+        if state.retry_at.is_some_and(|at| at > now) {
+            return;
+        }
         state.failures = state.failures.saturating_add(1);
         let delay = options.backoff(state.failures).min(OUTAGE_BACKOFF_MAX);
-        // Several batches may fail at once: the latest retry time wins.
-        state.retry_at = Some(state.retry_at.map_or(now + delay, |at| at.max(now + delay)));
+        state.retry_at = Some(now + delay);
         match state.since {
             None => {
                 state.since = Some(now);
@@ -69,10 +73,11 @@ impl Outage {
         }
     }
 
-    /// A publish went through: the outage, if any, is over.
-    pub(super) fn recovered(&self, table: &str, metrics: &dyn Metrics) {
+    /// A publish that started at `started` went through: the outage, if any, is over
+    /// (unless that publish began before the outage did, and says nothing about it).
+    pub(super) fn recovered(&self, table: &str, started: Instant, metrics: &dyn Metrics) {
         let mut state = self.state.lock().expect("outage state");
-        if let Some(since) = state.since.take() {
+        if let Some(since) = state.since.filter(|since| started >= *since) {
             let outage = since.elapsed();
             *state = State::default();
             drop(state);
@@ -90,5 +95,54 @@ impl Outage {
     /// When the current outage began, if there is one.
     pub(super) fn since(&self) -> Option<Instant> {
         self.state.lock().expect("outage state").since
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Counted {
+        blocked: AtomicUsize,
+        unblocked: AtomicUsize,
+    }
+
+    impl Metrics for Counted {
+        fn blocked(&self, _: &PublishError) {
+            self.blocked.fetch_add(1, Ordering::SeqCst);
+        }
+        fn unblocked(&self, _: Duration) {
+            self.unblocked.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn batches_failing_together_count_as_one_try_and_old_successes_end_nothing() {
+        let (outage, metrics, options) =
+            (Outage::default(), Counted::default(), Options::default());
+        let err = PublishError::unavailable("connection refused");
+        let before = Instant::now();
+        tokio::time::advance(Duration::from_millis(1)).await;
+        for _ in 0..100 {
+            outage.report("t", &err, &options, &metrics);
+        }
+        // One try: the first step of the backoff (1 s, with jitter), not the hundredth.
+        let first = outage.retry_at().unwrap() - Instant::now();
+        assert!(first <= Duration::from_secs(1), "{first:?}");
+        assert_eq!(metrics.blocked.load(Ordering::SeqCst), 1);
+        // A publish that began before the outage says nothing about it.
+        outage.recovered("t", before, &metrics);
+        assert!(outage.since().is_some());
+        tokio::time::advance(first).await;
+        assert_eq!(outage.retry_at(), None, "time to try again");
+        outage.report("t", &err, &options, &metrics);
+        let second = outage.retry_at().unwrap() - Instant::now();
+        assert!(second >= Duration::from_secs(1) && second <= Duration::from_secs(2));
+        outage.recovered("t", Instant::now(), &metrics);
+        assert_eq!(outage.since(), None);
+        assert_eq!(metrics.unblocked.load(Ordering::SeqCst), 1);
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt, StreamExt};
-use tokio::sync::{OwnedSemaphorePermit, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -28,14 +28,21 @@ type Published = Option<(Result<(), PublishError>, Duration)>;
 /// A batch's place in the relay's pipeline.
 pub(super) struct Slot {
     permit: Option<OwnedSemaphorePermit>,
+    /// Where a stalled batch takes a slot again before it starts another wave.
+    slots: Option<Arc<Semaphore>>,
     stalled: Arc<AtomicUsize>,
     counted: bool,
 }
 
 impl Slot {
-    pub(super) fn new(permit: Option<OwnedSemaphorePermit>, stalled: Arc<AtomicUsize>) -> Self {
+    pub(super) fn new(
+        permit: Option<OwnedSemaphorePermit>,
+        slots: Option<Arc<Semaphore>>,
+        stalled: Arc<AtomicUsize>,
+    ) -> Self {
         Slot {
             permit,
+            slots,
             stalled,
             counted: false,
         }
@@ -47,6 +54,21 @@ impl Slot {
             self.stalled.fetch_add(1, Ordering::SeqCst);
             self.counted = true;
         }
+    }
+
+    /// Before a new wave: a batch that stalled takes a slot again, so stalled batches do
+    /// not publish beside a full pipeline.
+    async fn regain(&mut self) {
+        if !self.counted {
+            return;
+        }
+        if let Some(slots) = &self.slots
+            && let Ok(permit) = slots.clone().acquire_owned().await
+        {
+            self.permit = Some(permit);
+        }
+        self.stalled.fetch_sub(1, Ordering::SeqCst);
+        self.counted = false;
     }
 
     /// Publishing is over.
@@ -78,47 +100,59 @@ impl Drain {
 }
 
 /// A batch's outcomes, recorded at the end of the batch or, once it has stalled, as they
-/// come (each record statement on a task of its own, so publishing goes on meanwhile).
+/// come: one record statement at a time on a task of its own (so publishing goes on
+/// meanwhile), taking everything known by then.
 struct Outcomes<P> {
     relay: Relay<P>,
     pending: Vec<Outcome>,
-    flushes: Vec<JoinHandle<()>>,
+    flushing: Option<JoinHandle<()>>,
+    flushed: Vec<JoinHandle<()>>,
     stalled: bool,
     /// Recording keeps trying until then: a lease after the leases end (a late outcome
     /// still counts unless another relay took the rows over, when fencing discards it).
     record_by: Instant,
+    /// Shutdown cuts recording short (see [`Relay::record`]).
+    stop: watch::Receiver<bool>,
 }
 
 impl<P: Publisher> Outcomes<P> {
     fn push(&mut self, outcome: Outcome) {
         self.pending.push(outcome);
-        if self.stalled {
-            self.flush();
-        }
     }
 
     fn stall(&mut self) {
         self.stalled = true;
-        self.flush();
+        self.flush_if_idle();
     }
 
-    fn flush(&mut self) {
-        if self.pending.is_empty() {
+    /// Once stalled: starts recording what is pending, unless a record statement of this
+    /// batch is still running (what is pending then waits for the next call).
+    fn flush_if_idle(&mut self) {
+        if !self.stalled || self.pending.is_empty() {
             return;
+        }
+        if let Some(running) = self.flushing.take() {
+            if !running.is_finished() {
+                self.flushing = Some(running);
+                return;
+            }
+            self.flushed.push(running);
         }
         let outcomes = std::mem::take(&mut self.pending);
         let relay = self.relay.clone();
-        let by = self.record_by;
-        self.flushes.push(tokio::spawn(async move {
-            relay.record(&outcomes, by).await;
+        let (by, stop) = (self.record_by, self.stop.clone());
+        self.flushing = Some(tokio::spawn(async move {
+            relay.record(&outcomes, by, Some(stop)).await;
         }));
     }
 
     /// Records what is left and waits for earlier flushes, all by `by`.
     async fn finish(mut self, by: Instant) {
         let outcomes = std::mem::take(&mut self.pending);
-        self.relay.record(&outcomes, by).await;
-        for flush in self.flushes.drain(..) {
+        self.relay
+            .record(&outcomes, by, Some(self.stop.clone()))
+            .await;
+        for flush in self.flushed.drain(..).chain(self.flushing.take()) {
             let abort = flush.abort_handle();
             if tokio::time::timeout_at(by, flush).await.is_err() {
                 abort.abort();
@@ -135,6 +169,8 @@ struct Wave<'a> {
     /// Aggregates whose run stops here: a message failed, so its successors wait.
     blocked: &'a mut HashSet<String>,
     released: &'a mut usize,
+    /// The first publish of this wave that found the broker unavailable.
+    unavailable: Option<PublishError>,
 }
 
 impl<P: Publisher> Relay<P> {
@@ -158,9 +194,11 @@ impl<P: Publisher> Relay<P> {
         let mut outcomes = Outcomes {
             relay: self.clone(),
             pending: Vec::with_capacity(ready.len() + undecodable.len()),
-            flushes: Vec::new(),
+            flushing: None,
+            flushed: Vec::new(),
             stalled: false,
             record_by,
+            stop: stop.clone(),
         };
         for record in &crash_looped {
             tracing::error!(
@@ -215,10 +253,12 @@ impl<P: Publisher> Relay<P> {
         let mut released = 0;
         let count = ready.len();
         for wave in waves(ready) {
+            slot.regain().await;
             // Later waves wait for earlier ones (and a batch may wait for a publishing slot);
-            // once half the lease is gone, the rest is released rather than risk publishing
-            // it after another relay took it over.
-            let late = claimed_at.elapsed() > inner.options.lease / 2;
+            // once half the lease is gone, or too little of it is left for the publisher's
+            // own timeout, the rest is released rather than risk publishing it after another
+            // relay took it over.
+            let late = self.too_late(claimed_at);
             // The broker went away while this batch was publishing: keep the rest.
             let unavailable = inner.outage.since().is_some_and(|since| since >= started);
             let (go, held): (Vec<Claimed>, Vec<Claimed>) = wave.into_iter().partition(|c| {
@@ -232,6 +272,10 @@ impl<P: Publisher> Relay<P> {
             });
             released += held.len();
             for c in &held {
+                // A held message holds back the rest of its run.
+                if let Some(aggregate) = &c.record.aggregate_key {
+                    blocked.insert(aggregate.clone());
+                }
                 outcomes.push(Outcome::release(&c.record, c.token));
             }
             if go.is_empty() {
@@ -243,14 +287,44 @@ impl<P: Publisher> Relay<P> {
                 slot,
                 blocked: &mut blocked,
                 released: &mut released,
+                unavailable: None,
             };
             self.publish_wave(go, &mut wave, outcomes).await;
+            if let Some(err) = wave.unavailable.take() {
+                inner
+                    .outage
+                    .report(inner.outbox.table(), &err, &inner.options, &*inner.metrics);
+            }
         }
         tracing::debug!(table = %inner.outbox.table(), records = count, took = ?started.elapsed(), "published");
         if released > 0 {
             tracing::info!(table = %inner.outbox.table(), released, "released unpublished claims");
             inner.metrics.released(released);
         }
+    }
+
+    /// Whether it is too late to start a publish of a batch claimed at `claimed_at`: half
+    /// the lease is gone, or what is left before the deadline ([`Relay::hard_deadline`]) is
+    /// shorter than the publisher's own timeout (and a twentieth of the lease to report).
+    fn too_late(&self, claimed_at: Instant) -> bool {
+        let lease = self.inner.options.lease;
+        if claimed_at.elapsed() > lease / 2 {
+            return true;
+        }
+        let left = self
+            .hard_deadline(claimed_at)
+            .saturating_duration_since(Instant::now());
+        self.inner
+            .publisher
+            .timeout()
+            .is_some_and(|timeout| left < timeout + lease / 20)
+    }
+
+    /// No publish of a batch claimed at `claimed_at` may run past this: a tenth of the lease
+    /// before it ends, so its outcome is recorded while the lease holds.
+    fn hard_deadline(&self, claimed_at: Instant) -> Instant {
+        let lease = self.inner.options.lease;
+        claimed_at + lease - lease / 10
     }
 
     /// Publishes one wave (pipelined, or one by one up to `concurrency`), each publish
@@ -271,7 +345,7 @@ impl<P: Publisher> Relay<P> {
         let wave_start = Instant::now();
         // A publish may take half the lease, and must end a margin before the lease does.
         let half = options.lease / 2;
-        let hard = wave.claimed_at + options.lease - options.lease / 10;
+        let hard = self.hard_deadline(wave.claimed_at);
         let stall_after = STALL.min(options.lease / 8);
         let begun = AtomicUsize::new(0);
         // Set once a publish of this wave found the broker unavailable: start no more.
@@ -289,31 +363,49 @@ impl<P: Publisher> Relay<P> {
                             Err(_) => (usize::MAX, None),
                         })
                         .boxed();
-                    (stream, Some((wave_start + half).min(hard)))
+                    // Past the publisher's own timeout, so that it reports first (the
+                    // RabbitMQ publisher yields every result only once all are in).
+                    let own = inner
+                        .publisher
+                        .timeout()
+                        .map_or(half, |t| half.max(t + options.lease / 20));
+                    (stream, Some((wave_start + own).min(hard)))
                 }
                 Ok(None) => {
                     let stop = wave.drain.stop.clone();
                     let (begun, unavailable) = (&begun, &unavailable);
+                    let claimed_at = wave.claimed_at;
                     let stream = stream::iter(records.iter().enumerate())
                         .map(move |(i, record)| {
                             let stop = stop.clone();
                             async move {
                                 // Futures start when first polled: a record whose turn comes
-                                // after shutdown or during an outage is never started.
+                                // after shutdown, during an outage, or too late in the lease
+                                // is never started (it is released).
                                 let stopping = *stop.borrow();
-                                if stopping || unavailable.load(Ordering::SeqCst) {
+                                if stopping
+                                    || unavailable.load(Ordering::SeqCst)
+                                    || self.too_late(claimed_at)
+                                {
                                     return (i, None);
                                 }
                                 begun.fetch_add(1, Ordering::SeqCst);
                                 let started = Instant::now();
                                 let deadline = (started + half).min(hard).max(started);
-                                let publish = AssertUnwindSafe(inner.publisher.publish(record))
-                                    .catch_unwind();
-                                let result = match tokio::time::timeout_at(deadline, publish).await
-                                {
-                                    Ok(Ok(result)) => result,
-                                    Ok(Err(_)) => Err(panicked()),
-                                    Err(_) => Err(timed_out(deadline - started)),
+                                // The call itself may panic, not only its future.
+                                let publish = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                                    inner.publisher.publish(record)
+                                }));
+                                let result = match publish {
+                                    Err(_) => Err(panicked()),
+                                    Ok(publish) => {
+                                        let publish = AssertUnwindSafe(publish).catch_unwind();
+                                        match tokio::time::timeout_at(deadline, publish).await {
+                                            Ok(Ok(result)) => result,
+                                            Ok(Err(_)) => Err(panicked()),
+                                            Err(_) => Err(timed_out(deadline - started)),
+                                        }
+                                    }
                                 };
                                 (i, Some((result, started.elapsed())))
                             }
@@ -333,31 +425,45 @@ impl<P: Publisher> Relay<P> {
         let mut stop = wave.drain.stop.clone();
         let mut stall_check = tokio::time::interval_at(wave_start + stall_after, stall_after);
         let far = || Instant::now() + Duration::from_secs(86_400);
-        loop {
+        'wave: loop {
             tokio::select! {
-                item = stream.next() => match item {
-                    Some((usize::MAX, _)) => {
-                        // The pipelined stream panicked: what has no result failed with it.
-                        for (i, done) in settled.iter_mut().enumerate() {
-                            if !*done {
-                                *done = true;
-                                let failed = Some((Err(panicked()), wave_start.elapsed()));
-                                self.settle(&records[i], tokens[i], failed, wave, outcomes);
+                item = stream.next() => {
+                    let mut item = item;
+                    // Take every result that is ready, so a stalled batch records them in one
+                    // statement.
+                    loop {
+                        match item {
+                            Some((usize::MAX, _)) => {
+                                // The pipelined stream panicked: what has no result failed.
+                                for (i, done) in settled.iter_mut().enumerate() {
+                                    if !*done {
+                                        *done = true;
+                                        let failed = Some((Err(panicked()), wave_start.elapsed()));
+                                        self.settle(&records[i], tokens[i], failed, wave, outcomes);
+                                    }
+                                }
+                                break 'wave;
                             }
+                            Some((i, result)) => {
+                                if let Some((Err(e), _)) = &result
+                                    && e.is_unavailable()
+                                {
+                                    unavailable.store(true, Ordering::SeqCst);
+                                }
+                                if i < records.len() && !settled[i] {
+                                    settled[i] = true;
+                                    self.settle(&records[i], tokens[i], result, wave, outcomes);
+                                }
+                            }
+                            None => break 'wave,
                         }
-                        break;
+                        match stream.next().now_or_never() {
+                            Some(next) => item = next,
+                            None => break,
+                        }
                     }
-                    Some((i, result)) => {
-                        if let Some((Err(e), _)) = &result && e.is_unavailable() {
-                            unavailable.store(true, Ordering::SeqCst);
-                        }
-                        if i < records.len() && !settled[i] {
-                            settled[i] = true;
-                            self.settle(&records[i], tokens[i], result, wave, outcomes);
-                        }
-                    }
-                    None => break,
-                },
+                    outcomes.flush_if_idle();
+                }
                 () = tokio::time::sleep_until(wave_deadline.unwrap_or_else(far)), if wave_deadline.is_some() => {
                     let after = wave_deadline.unwrap_or(wave_start) - wave_start;
                     for (i, done) in settled.iter_mut().enumerate() {
@@ -368,8 +474,10 @@ impl<P: Publisher> Relay<P> {
                     }
                     break;
                 }
-                _ = stall_check.tick(), if !outcomes.stalled => {
-                    if begun.load(Ordering::SeqCst) >= records.len() {
+                _ = stall_check.tick() => {
+                    if outcomes.stalled {
+                        outcomes.flush_if_idle();
+                    } else if begun.load(Ordering::SeqCst) >= records.len() {
                         tracing::debug!(table = %inner.outbox.table(), "a publish is slow: recording the others and freeing the batch's slot");
                         wave.slot.stall();
                         outcomes.stall();
@@ -411,7 +519,10 @@ impl<P: Publisher> Relay<P> {
         let outcome = match result {
             Some((Ok(()), took)) => {
                 tracing::trace!(key = %record.key, topic = %record.topic, attempt = record.attempt, ?took, "published");
-                inner.outage.recovered(table, &*inner.metrics);
+                let started = Instant::now()
+                    .checked_sub(took)
+                    .unwrap_or_else(Instant::now);
+                inner.outage.recovered(table, started, &*inner.metrics);
                 inner.metrics.published(&record.topic, record.attempt, took);
                 outcomes.push(Outcome::sent(record, token));
                 return;
@@ -422,11 +533,10 @@ impl<P: Publisher> Relay<P> {
             }
             Some((Err(err), _)) if err.is_unavailable() => {
                 tracing::debug!(table = %table, key = %record.key, topic = %record.topic, error = %err, "broker unavailable: released");
-                inner
-                    .outage
-                    .report(table, &err, &inner.options, &*inner.metrics);
                 *wave.released += 1;
-                Outcome::release(record, token)
+                let outcome = Outcome::release(record, token);
+                wave.unavailable.get_or_insert(err);
+                outcome
             }
             Some((Err(err), _)) => self.failure(record, token, &err),
         };
@@ -462,9 +572,7 @@ fn panicked() -> PublishError {
 }
 
 fn timed_out(after: Duration) -> PublishError {
-    PublishError::transient(format!(
-        "publish timed out after {after:?} (half the lease); abandoned"
-    ))
+    PublishError::transient(format!("publish timed out after {after:?}; abandoned"))
 }
 
 /// Splits a batch (in id order) into waves: the `n`-th claimed message of each aggregate
