@@ -258,13 +258,19 @@ impl RabbitMqPublisher {
     }
 
     /// Returns a channel after a batch whose confirms all arrived, without waiting for the
-    /// link (another batch may hold it while it connects).
+    /// link (another batch may hold it while it connects: then on a task of its own).
     fn give_back(&self, channel: Channel) {
-        if channel.status().connected() {
-            let link = self.link.clone();
-            tokio::spawn(async move {
-                link.lock().await.idle.push(channel);
-            });
+        if !channel.status().connected() {
+            return;
+        }
+        match self.link.try_lock() {
+            Ok(mut link) => link.idle.push(channel),
+            Err(_) => {
+                let link = self.link.clone();
+                tokio::spawn(async move {
+                    link.lock().await.idle.push(channel);
+                });
+            }
         }
     }
 
