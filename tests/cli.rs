@@ -6,7 +6,7 @@ mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::broker::{TestBroker, amqp_url, message_id, next};
+use common::broker::{TestBroker, amqp_url, message_id, next, rabbitmqctl};
 use common::{TestSchema, database_url, eventually};
 use diesel_async::SimpleAsyncConnection;
 use diesel_outbox::{Message, Outbox};
@@ -249,16 +249,6 @@ fn bad_urls_and_missing_tables_have_their_own_exit_codes_and_hide_passwords() {
 
     let out = Command::new(BIN).arg("no-such-command").output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-}
-
-fn rabbitmqctl(args: &[&str]) {
-    let status = Command::new("rabbitmqctl")
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("rabbitmqctl");
-    assert!(status.success(), "rabbitmqctl {args:?} failed");
 }
 
 /// At `RUST_LOG=trace` the relay process prints neither a payload (lapin logs returned

@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::TestSchema;
-use common::broker::{amqp_url, amqp_url_via, message_id};
+use common::broker::{amqp_authority, amqp_url, amqp_url_via, message_id, rabbitmqctl};
 use common::proxy::FaultProxy;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Text};
@@ -256,11 +256,7 @@ async fn run(tier: Tier) {
         let _ = amqp.close(200, "declared".into()).await;
     }
 
-    let upstream = authority(&amqp_url())
-        .to_socket_addrs()
-        .unwrap()
-        .next()
-        .unwrap();
+    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
     let proxy = FaultProxy::start(upstream).await;
     let app_name = format!("outbox_fault_relay_{}", schema.name);
     let logs = std::env::temp_dir().join(&schema.name);
@@ -1039,22 +1035,6 @@ fn queue_depth(queue: &str) -> u64 {
         .expect("the queue is listed")
 }
 
-fn rabbitmqctl(args: &[&str]) {
-    let status = Command::new("rabbitmqctl")
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("rabbitmqctl");
-    assert!(status.success(), "rabbitmqctl {args:?} failed");
-}
-
-fn authority(url: &str) -> String {
-    let rest = url.split_once("://").unwrap().1;
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
-    rest.split('/').next().unwrap().to_owned()
-}
-
 fn with_application_name(url: &str, name: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}application_name={name}")
@@ -1119,14 +1099,7 @@ async fn a_connection_blocked_by_a_resource_alarm_spends_no_attempts() {
         .poll_interval(Duration::from_millis(50))
         .build()
         .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) = common::spawn_relay(relay);
 
     let alarm = Watermark::raise_alarm();
     for i in 0..20 {
@@ -1176,6 +1149,5 @@ async fn a_connection_blocked_by_a_resource_alarm_spends_no_attempts() {
     .await
     .unwrap();
     assert_eq!(charged.n, 0, "every message sent on its first attempt");
-    let _ = stop.send(());
-    task.await.unwrap().unwrap();
+    common::stop_relay(stop, task).await;
 }

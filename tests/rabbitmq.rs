@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use common::broker::{TestBroker, amqp_url, amqp_url_via, message_id, next};
+use common::broker::{TestBroker, amqp_authority, amqp_url, amqp_url_via, message_id, next};
 use common::proxy::FaultProxy;
-use common::{DEADLINE, eventually, fixture};
+use common::{DEADLINE, eventually, fixture, spawn_relay, stop_relay};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Timestamptz};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -20,6 +20,18 @@ use diesel_outbox::{Error, Message, PublishError, Publisher, Record};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 
 const QUIET: Duration = Duration::from_millis(500);
+
+/// A fault proxy in front of the broker, and a publisher to `exchange` through it.
+async fn proxied(exchange: &str) -> (FaultProxy, RabbitMqPublisher) {
+    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), exchange)
+        .confirm_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .unwrap();
+    (proxy, publisher)
+}
 
 async fn publisher(exchange: &str) -> RabbitMqPublisher {
     RabbitMqPublisher::builder(amqp_url(), exchange)
@@ -175,13 +187,7 @@ async fn the_relay_recovers_after_the_broker_connection_is_cut() {
     let mut f = fixture().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
-    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
-    let proxy = FaultProxy::start(upstream).await;
-    let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), &broker.exchange)
-        .confirm_timeout(Duration::from_secs(2))
-        .connect()
-        .await
-        .unwrap();
+    let (proxy, publisher) = proxied(&broker.exchange).await;
     let relay = f
         .outbox
         .relay(f.pool.clone(), publisher)
@@ -189,14 +195,7 @@ async fn the_relay_recovers_after_the_broker_connection_is_cut() {
         .poll_interval(Duration::from_millis(50))
         .build()
         .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) = spawn_relay(relay);
 
     let mut expected = Vec::new();
     for round in 0..3 {
@@ -214,8 +213,7 @@ async fn the_relay_recovers_after_the_broker_connection_is_cut() {
         );
     }
     f.wait_rows("status = 'sent'", 60).await;
-    let _ = stop.send(());
-    task.await.unwrap().unwrap();
+    stop_relay(stop, task).await;
 
     let mut received = Vec::new();
     while let Some(d) = next(&mut consumer, QUIET).await {
@@ -224,13 +222,6 @@ async fn the_relay_recovers_after_the_broker_connection_is_cut() {
     received.sort();
     received.dedup();
     assert_eq!(received, expected, "every message arrived");
-}
-
-fn amqp_authority() -> String {
-    let url = amqp_url();
-    let rest = url.split_once("://").unwrap().1;
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
-    rest.split('/').next().unwrap().to_owned()
 }
 
 #[tokio::test]
@@ -582,13 +573,7 @@ async fn a_broker_outage_spends_no_attempts_and_the_backlog_drains_when_it_is_ba
     let mut f = fixture().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
-    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
-    let proxy = FaultProxy::start(upstream).await;
-    let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), &broker.exchange)
-        .confirm_timeout(Duration::from_secs(2))
-        .connect()
-        .await
-        .unwrap();
+    let (proxy, publisher) = proxied(&broker.exchange).await;
     let (max_attempts, backoff_max) = (2, Duration::from_millis(100));
     let relay = f
         .outbox
@@ -598,14 +583,7 @@ async fn a_broker_outage_spends_no_attempts_and_the_backlog_drains_when_it_is_ba
         .poll_interval(Duration::from_millis(50))
         .build()
         .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) = spawn_relay(relay);
 
     proxy.set_down(true);
     let mut expected = Vec::new();
@@ -646,8 +624,7 @@ async fn a_broker_outage_spends_no_attempts_and_the_backlog_drains_when_it_is_ba
         stats.blocked_for.is_none().then_some(())
     })
     .await;
-    let _ = stop.send(());
-    task.await.unwrap().unwrap();
+    stop_relay(stop, task).await;
     let mut received = Vec::new();
     while let Some(d) = next(&mut consumer, QUIET).await {
         assert_eq!(

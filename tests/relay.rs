@@ -7,14 +7,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{DEADLINE, Fixture, TestSchema, eventually, fixture};
+use common::{DEADLINE, Fixture, TestSchema, eventually, fixture, spawn_relay, stop_relay};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::{
     Error, Message, Metrics, Outbox, PublishError, Publisher, Record, publisher_fn,
 };
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// What the relay tests read of one row.
@@ -168,33 +168,6 @@ impl Publisher for Recorder {
         self.0.lock().unwrap().push(record.clone());
         Ok(())
     }
-}
-
-/// Runs a relay in the background until the returned sender fires (or is dropped).
-fn spawn_relay<P: Publisher>(
-    relay: diesel_outbox::Relay<P>,
-) -> (
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), Error>>,
-) {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
-    (stop, task)
-}
-
-async fn stop_relay(stop: oneshot::Sender<()>, task: tokio::task::JoinHandle<Result<(), Error>>) {
-    let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, task)
-        .await
-        .expect("relay stops")
-        .unwrap()
-        .unwrap();
 }
 
 #[tokio::test]
@@ -1146,30 +1119,11 @@ async fn a_batch_reads_only_its_rows_when_statistics_predate_the_backlog() {
         10
     );
 
-    #[derive(QueryableByName)]
-    struct Read {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    let mut conn = pool.get().await.unwrap();
-    // Stats reach the shared counters when the backend next goes idle.
-    conn.batch_execute("SELECT pg_stat_force_next_flush()")
-        .await
-        .unwrap();
-    let read: Read = diesel::sql_query(format!(
-        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes \
-         WHERE relid = '{t}'::regclass)::bigint \
-         + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables \
-         WHERE relid = '{t}'::regclass) AS n"
-    ))
-    .get_result(&mut conn)
-    .await
-    .unwrap();
+    let read = entries_read(&pool, &t).await;
     // At least the batch itself was read, or the counters were not flushed.
     assert!(
-        (10..1_000).contains(&read.n),
-        "claiming and recording 10 rows read {} index and table entries",
-        read.n
+        (10..1_000).contains(&read),
+        "claiming and recording 10 rows read {read} index and table entries"
     );
 }
 

@@ -27,6 +27,25 @@ pub fn amqp_url_via(addr: std::net::SocketAddr) -> String {
     format!("{scheme}://{userinfo}{at}{addr}{path}")
 }
 
+/// `host:port` of `amqp_url()`.
+pub fn amqp_authority() -> String {
+    let url = amqp_url();
+    let rest = url.split_once("://").expect("scheme").1;
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    rest.split('/').next().expect("authority").to_owned()
+}
+
+/// Runs `rabbitmqctl` on the local broker, quietly; panics if it fails.
+pub fn rabbitmqctl(args: &[&str]) {
+    let status = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("rabbitmqctl");
+    assert!(status.success(), "rabbitmqctl {args:?} failed");
+}
+
 pub async fn connect() -> Connection {
     match Connection::connect(&amqp_url(), ConnectionProperties::default()).await {
         Ok(conn) => conn,

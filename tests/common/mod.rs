@@ -200,6 +200,38 @@ impl Fixture {
     }
 }
 
+/// A relay running in the background, as [`spawn_relay`] starts it.
+pub type RunningRelay = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), diesel_outbox::Error>>,
+);
+
+/// Runs a relay in the background until the returned sender fires (or is dropped).
+pub fn spawn_relay<P: diesel_outbox::Publisher>(relay: diesel_outbox::Relay<P>) -> RunningRelay {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    (stop, task)
+}
+
+/// Stops a relay from [`spawn_relay`] and waits (with a deadline) for a clean return.
+pub async fn stop_relay(
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), diesel_outbox::Error>>,
+) {
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("relay stops")
+        .unwrap()
+        .unwrap();
+}
+
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
 pub mod proxy;
