@@ -995,20 +995,27 @@ async fn a_relay_on_a_missing_table_says_to_migrate() {
     assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
 }
 
+/// `per` messages for each of `aggregates` aggregates `a0`, `a1`, ..., interleaved: the
+/// payload is the message's place in its aggregate, the key `a<agg>-<seq>`.
+fn interleaved(aggregates: usize, per: usize) -> Vec<Message> {
+    (0..per)
+        .flat_map(|seq| {
+            (0..aggregates).map(move |agg| {
+                Message::new("t", format!("{seq}"))
+                    .key(format!("a{agg}-{seq:02}"))
+                    .aggregate_key(format!("a{agg}"))
+            })
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn concurrent_relays_with_failures_keep_every_aggregate_in_order() {
     let mut f = fixture().await;
-    let mut msgs = Vec::new();
-    for seq in 0..20 {
-        for agg in 0..10 {
-            msgs.push(
-                Message::new("t", format!("{seq}"))
-                    .key(format!("a{agg}-{seq:02}"))
-                    .aggregate_key(format!("a{agg}")),
-            );
-        }
-    }
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many(&mut f.conn, interleaved(10, 20))
+        .await
+        .unwrap();
 
     // Every fifth first attempt fails; successes are recorded in arrival order.
     let recorder = Recorder::default();
@@ -1274,17 +1281,10 @@ async fn a_claim_never_takes_rows_another_relay_is_leasing() {
 #[tokio::test]
 async fn no_two_publishes_of_one_aggregate_ever_overlap_even_across_redrives() {
     let mut f = fixture().await;
-    let mut msgs = Vec::new();
-    for seq in 0..25 {
-        for agg in 0..8 {
-            msgs.push(
-                Message::new("t", format!("{seq}"))
-                    .key(format!("a{agg}-{seq:02}"))
-                    .aggregate_key(format!("a{agg}")),
-            );
-        }
-    }
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many(&mut f.conn, interleaved(8, 25))
+        .await
+        .unwrap();
 
     #[derive(Default)]
     struct InFlight {
