@@ -501,39 +501,6 @@ async fn a_row_that_hangs_every_relay_ends_dead_after_max_attempts() {
 }
 
 #[tokio::test]
-async fn an_undecodable_row_dies_alone() {
-    let mut f = fixture().await;
-    for k in ["a", "bad", "c"] {
-        f.enqueue(Message::new("t", k).key(k)).await;
-    }
-    f.conn
-        .batch_execute(&format!(
-            "UPDATE {} SET headers = '{{\"n\": 1}}' WHERE idempotency_key = 'bad'",
-            f.outbox.table()
-        ))
-        .await
-        .unwrap();
-    let recorder = Recorder::default();
-    let metrics = CountingMetrics::default();
-    let relay = f
-        .outbox
-        .relay(f.pool.clone(), recorder.clone())
-        .metrics(metrics.clone())
-        .build()
-        .unwrap();
-    assert_eq!(relay.run_once().await.unwrap(), 3);
-    assert_eq!(recorder.keys(), vec!["a", "c"]);
-    let bad = f.row("bad").await;
-    assert_eq!(bad.status, "dead");
-    assert!(
-        bad.last_error
-            .unwrap()
-            .contains("header \"n\" is not a string")
-    );
-    assert_eq!(metrics.get(|c| &c.dead), 1);
-}
-
-#[tokio::test]
 async fn shutdown_mid_batch_drains_releases_and_loses_nothing() {
     let mut f = fixture().await;
     let msgs: Vec<Message> = (0..40)
