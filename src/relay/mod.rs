@@ -433,7 +433,7 @@ impl<P: Publisher> Relay<P> {
             let stalled = run.stalled.load(Ordering::SeqCst);
             // Leave room for the batches that are recording, which no longer hold a slot.
             let room =
-                in_flight.len().saturating_sub(stalled) < 2 * PIPELINE && stalled <= MAX_STALLED;
+                in_flight.len().saturating_sub(stalled) < 2 * PIPELINE && stalled < MAX_STALLED;
             if claim_more && ready.is_none() && room && backing_off.is_none() {
                 match self.claim(Some(&run.stop)).await {
                     Ok(batch) if batch.claimed() > 0 => {
@@ -608,19 +608,15 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// One cheap look for due work; true on an error too, to let the claim report it.
+    /// Gives up (false) once `stop` turns true.
     async fn probe(&self, stop: &watch::Receiver<bool>) -> bool {
-        let Some(conn) = self.checkout(Some(stop)).await else {
-            return false;
+        let probing = async {
+            let mut conn = self.inner.pool.get().await?;
+            self.inner.outbox.anything_due(&mut conn).await
         };
-        match conn {
-            Ok(mut conn) => self
-                .inner
-                .outbox
-                .anything_due(&mut conn)
-                .await
-                .unwrap_or(true),
-            Err(_) => true,
-        }
+        or_stop(stop, probing)
+            .await
+            .is_some_and(|due| due.unwrap_or(true))
     }
 
     /// Publishes a claimed batch and records its outcomes on a task of its own. The
