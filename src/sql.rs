@@ -486,3 +486,79 @@ impl Statements {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every statement the crate runs, as rendered for `table`, one after another under
+    /// its name.
+    fn snapshot(table: &str) -> String {
+        let s = Statements::render(&TableName::parse(table).expect("a valid name"));
+        let mut named: Vec<(String, String)> = vec![
+            (
+                "create_schema".into(),
+                s.create_schema.clone().unwrap_or_default(),
+            ),
+            ("create_migrations".into(), s.create_migrations.clone()),
+            ("select_versions".into(), s.select_versions.clone()),
+            ("record_version".into(), s.record_version.text().to_owned()),
+        ];
+        for (version, migration) in (1..).zip(&s.migrations) {
+            for (i, up) in migration.up.iter().enumerate() {
+                named.push((format!("migration {version} up {i}"), up.clone()));
+            }
+            for (i, down) in migration.down.iter().enumerate() {
+                named.push((format!("migration {version} down {i}"), down.clone()));
+            }
+        }
+        for (name, statement) in [
+            ("enqueue", &s.enqueue),
+            ("enqueue_notify", &s.enqueue_notify),
+            ("enqueue_one", &s.enqueue_one),
+            ("enqueue_one_notify", &s.enqueue_one_notify),
+            ("dedupe", &s.dedupe),
+            ("stats", &s.stats),
+            ("redrive", &s.redrive),
+            ("dead_letters", &s.dead_letters),
+            ("purge_sent", &s.purge_sent),
+            ("purge_inbox", &s.purge_inbox),
+            ("claim", &s.claim),
+            ("due", &s.due),
+            ("record_outcomes", &s.record_outcomes),
+            ("watch", &s.watch),
+            ("unwatch", &s.unwatch),
+            ("relay_state", &s.relay_state),
+            ("relay_gone", &s.relay_gone),
+        ] {
+            named.push((name.into(), statement.text().to_owned()));
+        }
+        named.push(("listen".into(), s.listen.clone()));
+        named
+            .into_iter()
+            .map(|(name, text)| format!("-- {name}\n{text};\n"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Pins the text of every statement for a schema-qualified table, so that moving the
+    /// statements around changes none of them. Rerun with `OUTBOX_WRITE_SNAPSHOT=1` after a
+    /// change that means to.
+    #[test]
+    fn every_statement_matches_its_snapshot() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/snapshots/statements.sql"
+        );
+        let rendered = snapshot("sales.orders_outbox");
+        if std::env::var_os("OUTBOX_WRITE_SNAPSHOT").is_some() {
+            std::fs::write(path, &rendered).expect("write the snapshot");
+        }
+        let pinned = std::fs::read_to_string(path).expect("the snapshot exists");
+        assert!(
+            pinned == rendered,
+            "the statements differ from tests/snapshots/statements.sql; if that is meant, \
+             rerun with OUTBOX_WRITE_SNAPSHOT=1"
+        );
+    }
+}

@@ -1,0 +1,272 @@
+-- create_schema
+CREATE SCHEMA IF NOT EXISTS "sales";
+
+-- create_migrations
+CREATE TABLE IF NOT EXISTS "sales"."orders_outbox_migrations" (
+    version integer NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "orders_outbox_migrations_pkey" PRIMARY KEY (version)
+);
+
+-- select_versions
+SELECT version FROM "sales"."orders_outbox_migrations" ORDER BY version;
+
+-- record_version
+INSERT INTO "sales"."orders_outbox_migrations" (version) VALUES ($1) ON CONFLICT DO NOTHING;
+
+-- migration 1 up 0
+CREATE TABLE IF NOT EXISTS "sales"."orders_outbox" (
+    id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "sales"."orders_outbox_id_seq"),
+    idempotency_key text NOT NULL,
+    topic text NOT NULL,
+    aggregate_key text,
+    payload bytea NOT NULL,
+    content_type text,
+    headers jsonb NOT NULL DEFAULT '{}'::jsonb,
+    status text NOT NULL DEFAULT 'pending',
+    attempts integer NOT NULL DEFAULT 0,
+    fencing_token bigint NOT NULL DEFAULT 0,
+    available_at timestamptz NOT NULL DEFAULT now(),
+    lease_until timestamptz,
+    last_error text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    sent_at timestamptz,
+    dead_at timestamptz,
+    CONSTRAINT "orders_outbox_pkey" PRIMARY KEY (id),
+    CONSTRAINT "orders_outbox_key_unique" UNIQUE (idempotency_key),
+    CONSTRAINT "orders_outbox_status_check" CHECK (status IN ('pending', 'sent', 'dead'))
+) WITH (fillfactor = 70);
+
+-- migration 1 up 1
+CREATE INDEX IF NOT EXISTS "orders_outbox_pending_idx" ON "sales"."orders_outbox" (id) WHERE status = 'pending';
+
+-- migration 1 up 2
+CREATE INDEX IF NOT EXISTS "orders_outbox_aggregate_idx" ON "sales"."orders_outbox" (aggregate_key, id) WHERE status = 'pending' AND aggregate_key IS NOT NULL;
+
+-- migration 1 up 3
+CREATE INDEX IF NOT EXISTS "orders_outbox_sent_idx" ON "sales"."orders_outbox" (sent_at) WHERE status = 'sent';
+
+-- migration 1 up 4
+CREATE INDEX IF NOT EXISTS "orders_outbox_dead_idx" ON "sales"."orders_outbox" (id) WHERE status = 'dead';
+
+-- migration 1 up 5
+CREATE TABLE IF NOT EXISTS "sales"."orders_outbox_inbox" (
+    consumer text NOT NULL,
+    idempotency_key text NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT "orders_outbox_inbox_pkey" PRIMARY KEY (consumer, idempotency_key)
+);
+
+-- migration 1 up 6
+CREATE INDEX IF NOT EXISTS "orders_outbox_inbox_processed_idx" ON "sales"."orders_outbox_inbox" (processed_at);
+
+-- migration 1 up 7
+CREATE UNLOGGED TABLE IF NOT EXISTS "sales"."orders_outbox_relays" (
+    relay_id text NOT NULL,
+    idle boolean NOT NULL,
+    expires_at timestamptz NOT NULL,
+    CONSTRAINT "orders_outbox_relays_pkey" PRIMARY KEY (relay_id)
+);
+
+-- migration 1 down 0
+DROP TABLE IF EXISTS "sales"."orders_outbox_relays";
+
+-- migration 1 down 1
+DROP TABLE IF EXISTS "sales"."orders_outbox_inbox";
+
+-- migration 1 down 2
+DROP TABLE IF EXISTS "sales"."orders_outbox";
+
+-- migration 1 down 3
+DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 1;
+
+-- migration 2 up 0
+ALTER TABLE "sales"."orders_outbox_relays" ADD COLUMN IF NOT EXISTS blocked_since timestamptz;
+
+-- migration 2 down 0
+ALTER TABLE "sales"."orders_outbox_relays" DROP COLUMN IF EXISTS blocked_since;
+
+-- migration 2 down 1
+DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 2;
+
+-- enqueue
+WITH m AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)
+), dup AS (
+    SELECT idempotency_key AS k FROM "sales"."orders_outbox" WHERE idempotency_key = ANY($1::text[])
+), ins AS (
+    INSERT INTO "sales"."orders_outbox" (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)
+    SELECT k, topic, agg, payload, ct, headers, now() + delay_us * interval '1 microsecond'
+    FROM m WHERE NOT EXISTS (SELECT 1 FROM dup)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key AS k
+)
+SELECT k AS key, true AS inserted FROM ins UNION ALL SELECT k AS key, false AS inserted FROM dup;
+
+-- enqueue_notify
+WITH m AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)
+), dup AS (
+    SELECT idempotency_key AS k FROM "sales"."orders_outbox" WHERE idempotency_key = ANY($1::text[])
+), ins AS (
+    INSERT INTO "sales"."orders_outbox" (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)
+    SELECT k, topic, agg, payload, ct, headers, now() + delay_us * interval '1 microsecond'
+    FROM m WHERE NOT EXISTS (SELECT 1 FROM dup)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key AS k
+), wake AS (
+    SELECT pg_notify($8, '') FROM (SELECT 1 FROM ins LIMIT 1) AS any_ins
+    WHERE NOT pg_try_advisory_xact_lock_shared(1869968503, '"sales"."orders_outbox"'::regclass::oid::int4)
+)
+SELECT r.key, r.inserted FROM (SELECT k AS key, true AS inserted FROM ins UNION ALL SELECT k AS key, false AS inserted FROM dup) AS r CROSS JOIN (SELECT count(*) FROM wake) AS w;
+
+-- enqueue_one
+WITH ins AS (
+    INSERT INTO "sales"."orders_outbox" (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)
+    VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 microsecond')
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key AS k
+)
+SELECT k AS key, true AS inserted FROM ins;
+
+-- enqueue_one_notify
+WITH ins AS (
+    INSERT INTO "sales"."orders_outbox" (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)
+    VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 microsecond')
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key AS k
+), wake AS (
+    SELECT pg_notify($8, '') FROM ins
+    WHERE NOT pg_try_advisory_xact_lock_shared(1869968503, '"sales"."orders_outbox"'::regclass::oid::int4)
+)
+SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake) AS w;
+
+-- dedupe
+INSERT INTO "sales"."orders_outbox_inbox" (consumer, idempotency_key) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING true AS inserted;
+
+-- stats
+SELECT
+    (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'pending' AND (lease_until IS NULL OR lease_until <= now())) AS pending,
+    (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'pending' AND lease_until > now()) AS in_flight,
+    (SELECT count(*) FROM (SELECT 1 FROM "sales"."orders_outbox" WHERE status = 'sent' LIMIT 100000) AS s) AS sent_counted,
+    (SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)) AS sent_estimate,
+    (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'dead') AS dead,
+    (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint FROM "sales"."orders_outbox" WHERE status = 'pending' AND available_at <= now()) AS lag_us,
+    (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint FROM "sales"."orders_outbox_relays" WHERE expires_at > now()) AS blocked_us;
+
+-- redrive
+UPDATE "sales"."orders_outbox" SET status = 'pending', attempts = 0, available_at = now(), lease_until = NULL, dead_at = NULL WHERE status = 'dead' AND (cardinality($1::text[]) = 0 OR idempotency_key = ANY($1)) RETURNING idempotency_key AS key;
+
+-- dead_letters
+SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, created_at, dead_at FROM "sales"."orders_outbox" WHERE status = 'dead' ORDER BY id LIMIT $1;
+
+-- purge_sent
+WITH doomed AS MATERIALIZED (
+    SELECT id FROM "sales"."orders_outbox" WHERE status = 'sent' AND sent_at < now() - $1 * interval '1 microsecond'
+    ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED
+)
+DELETE FROM "sales"."orders_outbox" WHERE id IN (SELECT id FROM doomed);
+
+-- purge_inbox
+WITH doomed AS MATERIALIZED (
+    SELECT consumer, idempotency_key FROM "sales"."orders_outbox_inbox" WHERE processed_at < now() - $1 * interval '1 microsecond'
+    ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED
+)
+DELETE FROM "sales"."orders_outbox_inbox" WHERE (consumer, idempotency_key) IN (SELECT consumer, idempotency_key FROM doomed);
+
+-- claim
+WITH heads AS MATERIALIZED (
+    SELECT id, aggregate_key, attempts, octet_length(payload) + octet_length(headers::text) AS bytes FROM "sales"."orders_outbox" o
+    WHERE status = 'pending' AND available_at <= now()
+      AND (lease_until IS NULL OR lease_until <= now())
+      AND (aggregate_key IS NULL OR NOT EXISTS (
+          SELECT 1 FROM "sales"."orders_outbox" p WHERE p.status = 'pending'
+          AND p.aggregate_key = o.aggregate_key AND p.id < o.id))
+    ORDER BY id LIMIT $1
+    FOR UPDATE SKIP LOCKED
+), share AS MATERIALIZED (
+    SELECT least($4, ($1 - count(*)) / greatest(count(*) FILTER (WHERE aggregate_key IS NOT NULL AND attempts = 0), 1)) AS per_run FROM heads
+), succ AS MATERIALIZED (
+    SELECT h.id AS head, n.id, n.pos, n.ready, n.leased, n.bytes,
+           h.attempts = 0 AND n.pos <= (SELECT per_run FROM share) AS in_run
+    FROM heads h CROSS JOIN LATERAL (
+        SELECT s.id, row_number() OVER (ORDER BY s.id) AS pos,
+               s.available_at <= now() AND (s.lease_until IS NULL OR s.lease_until <= now()) AS ready,
+               coalesce(s.lease_until > now(), false) AS leased,
+               octet_length(s.payload) + octet_length(s.headers::text) AS bytes
+        FROM "sales"."orders_outbox" s WHERE s.status = 'pending'
+        AND s.aggregate_key = h.aggregate_key AND s.id > h.id
+        ORDER BY s.id LIMIT greatest((SELECT per_run FROM share), 8 - 1) + 1
+    ) AS n
+    WHERE h.aggregate_key IS NOT NULL
+), locked AS MATERIALIZED (
+    SELECT id FROM "sales"."orders_outbox"
+    WHERE id = ANY (ARRAY(SELECT id FROM succ WHERE in_run AND ready))
+      AND status = 'pending' AND available_at <= now()
+      AND (lease_until IS NULL OR lease_until <= now())
+    FOR UPDATE SKIP LOCKED
+), cut AS MATERIALIZED (
+    SELECT s.head,
+           min(s.pos) FILTER (WHERE NOT (s.in_run AND s.ready AND l.id IS NOT NULL)) AS stop,
+           bool_or(s.leased OR (s.in_run AND s.ready AND l.id IS NULL)) AS held
+    FROM succ s LEFT JOIN locked l ON l.id = s.id
+    GROUP BY s.head
+), chosen AS (
+    SELECT h.id, true AS head, h.bytes FROM heads h LEFT JOIN cut c ON c.head = h.id
+    WHERE c.held IS NOT TRUE
+    UNION ALL
+    SELECT s.id, false, s.bytes FROM succ s JOIN cut c ON c.head = s.head
+    WHERE NOT c.held AND s.in_run AND (c.stop IS NULL OR s.pos < c.stop)
+), due AS MATERIALIZED (
+    SELECT array_agg(id) AS ids, coalesce(array_agg(id) FILTER (WHERE NOT head), '{}') AS runs FROM (
+        SELECT id, head, sum(bytes) OVER (ORDER BY id) AS total, row_number() OVER (ORDER BY id) AS n FROM chosen
+    ) AS b WHERE n = 1 OR total <= $5
+)
+UPDATE "sales"."orders_outbox" t SET
+    attempts = CASE WHEN t.id = ANY((SELECT runs FROM due)::bigint[]) THEN t.attempts ELSE least(t.attempts, 2147483646) + 1 END,
+    fencing_token = least(t.fencing_token, 9223372036854775806) + 1,
+    lease_until = CASE WHEN t.attempts >= $3 AND NOT t.id = ANY((SELECT runs FROM due)::bigint[]) THEN NULL ELSE now() + $2 * interval '1 microsecond' END,
+    status = CASE WHEN t.attempts >= $3 AND NOT t.id = ANY((SELECT runs FROM due)::bigint[]) THEN 'dead' ELSE 'pending' END,
+    dead_at = CASE WHEN t.attempts >= $3 AND NOT t.id = ANY((SELECT runs FROM due)::bigint[]) THEN now() END,
+    last_error = CASE WHEN t.attempts >= $3 AND NOT t.id = ANY((SELECT runs FROM due)::bigint[]) THEN 'claimed ' || (least(t.attempts, 2147483646) + 1) || ' times without an outcome (relay crashed or lease expired); max_attempts is ' || $3 ELSE t.last_error END
+WHERE t.id = ANY((SELECT ids FROM due)::bigint[]) AND t.status = 'pending'
+RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, t.content_type, t.headers::text AS headers, t.attempts, t.fencing_token, CASE WHEN t.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN t.created_at END AS created_at, t.status, NOT t.id = ANY((SELECT runs FROM due)::bigint[]) AS head;
+
+-- due
+SELECT (SELECT o.id FROM "sales"."orders_outbox" o WHERE o.status = 'pending' AND o.available_at <= now() AND (o.lease_until IS NULL OR o.lease_until <= now()) AND (o.aggregate_key IS NULL OR NOT EXISTS (SELECT 1 FROM "sales"."orders_outbox" p WHERE p.status = 'pending' AND p.aggregate_key = o.aggregate_key AND p.id < o.id)) ORDER BY o.id LIMIT 1) IS NOT NULL AS due;
+
+-- record_outcomes
+UPDATE "sales"."orders_outbox" t SET
+    status = CASE o.kind WHEN 'sent' THEN 'sent' WHEN 'dead' THEN 'dead' ELSE 'pending' END,
+    sent_at = CASE WHEN o.kind = 'sent' THEN now() ELSE t.sent_at END,
+    dead_at = CASE WHEN o.kind = 'dead' THEN now() ELSE t.dead_at END,
+    available_at = CASE WHEN o.kind = 'retry' THEN now() + o.delay_us * interval '1 microsecond' ELSE t.available_at END,
+    attempts = CASE WHEN o.kind = 'release' THEN greatest(o.attempt - 1, 0) ELSE o.attempt END,
+    last_error = CASE WHEN o.kind IN ('retry', 'dead') THEN o.err ELSE t.last_error END,
+    lease_until = NULL
+FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::bigint[], $5::text[], $6::integer[]) AS o(id, token, kind, delay_us, err, attempt)
+WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.fencing_token = o.token AND t.status = 'pending'
+RETURNING t.id;
+
+-- watch
+SELECT pg_try_advisory_lock(1869968503, '"sales"."orders_outbox"'::regclass::oid::int4) AS got, EXISTS (
+    SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2
+    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    AND classid = 1869968503::oid AND objid = '"sales"."orders_outbox"'::regclass::oid::int4::oid
+    AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid()
+) AS watched;
+
+-- unwatch
+SELECT pg_advisory_unlock(1869968503, '"sales"."orders_outbox"'::regclass::oid::int4) AS released;
+
+-- relay_state
+WITH gone AS (
+    DELETE FROM "sales"."orders_outbox_relays" WHERE expires_at < now() - interval '1 minute' AND relay_id <> $1
+)
+INSERT INTO "sales"."orders_outbox_relays" (relay_id, idle, expires_at, blocked_since) VALUES ($1, $2, now() + $3 * interval '1 microsecond', now() - $4 * interval '1 microsecond') ON CONFLICT (relay_id) DO UPDATE SET idle = excluded.idle, expires_at = excluded.expires_at, blocked_since = excluded.blocked_since;
+
+-- relay_gone
+DELETE FROM "sales"."orders_outbox_relays" WHERE relay_id = $1 OR expires_at < now();
+
+-- listen
+LISTEN "sales.orders_outbox_wake";
