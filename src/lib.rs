@@ -192,7 +192,7 @@ pub use crate::enqueue::{DedupeExt, EnqueueExt};
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Message};
 pub use crate::metrics::{Metrics, NoMetrics};
-pub use crate::migrate::MIGRATIONS;
+pub use crate::migrate::{MIGRATIONS, OutboxMigrations};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_TABLE, Outbox, OutboxBuilder};
 pub use crate::publisher::{
     BatchResults, FnPublisher, PublishError, Publisher, Record, publisher_fn,

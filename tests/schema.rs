@@ -240,3 +240,296 @@ async fn sql_statements_build_the_same_schema() {
         .await
         .unwrap();
 }
+
+/// `outbox.migrations()` runs any table's schema through diesel's own harness: two tables
+/// side by side do not collide in `__diesel_schema_migrations`, `migrate` afterwards finds
+/// nothing to do, and reverting takes the table away.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
+    use diesel_async::AsyncMigrationHarness;
+    use diesel_migrations::MigrationHarness;
+
+    let schema = TestSchema::new().await;
+    let first = Outbox::builder()
+        .table(schema.table("first_outbox"))
+        .build()
+        .unwrap();
+    let second = Outbox::builder()
+        .table(schema.table("second_outbox"))
+        .build()
+        .unwrap();
+    let mut harness = AsyncMigrationHarness::new(schema.connect().await);
+    for outbox in [&first, &second] {
+        let applied = harness.run_pending_migrations(outbox.migrations()).unwrap();
+        assert_eq!(applied.len(), 2, "{}", outbox.table());
+    }
+    assert!(
+        harness
+            .run_pending_migrations(first.migrations())
+            .unwrap()
+            .is_empty()
+    );
+    let mut conn = harness.into_inner();
+    for outbox in [&first, &second] {
+        assert_eq!(
+            versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
+            vec![1, 2]
+        );
+        outbox.migrate(&mut conn).await.unwrap();
+        outbox
+            .enqueue(&mut conn, Message::new("t", "x"))
+            .await
+            .unwrap();
+    }
+    let mut harness = AsyncMigrationHarness::new(conn);
+    harness.revert_all_migrations(first.migrations()).unwrap();
+    let mut conn = harness.into_inner();
+    assert!(!table_exists(&mut conn, first.table()).await);
+    assert!(table_exists(&mut conn, second.table()).await);
+}
+
+/// The `table!` definitions of `diesel_outbox::schema` describe the migrated default tables:
+/// the same columns in the same order, the same types and nullability, the same primary keys.
+#[tokio::test]
+async fn the_table_definitions_match_the_migrated_schema() {
+    use diesel::sql_types::{self, SqlType};
+    use diesel::{Column, Expression, Table};
+    use diesel_outbox::schema::{outbox, outbox_inbox, outbox_migrations, outbox_relays};
+
+    /// PostgreSQL's name (`udt_name`) of a Diesel SQL type, and whether it is nullable.
+    trait Described {
+        const NAME: &'static str;
+        const NULLABLE: bool = false;
+    }
+    macro_rules! described {
+        ($($ty:ty => $name:literal),* $(,)?) => {
+            $(impl Described for $ty { const NAME: &'static str = $name; })*
+        };
+    }
+    described!(
+        sql_types::BigInt => "int8",
+        sql_types::Integer => "int4",
+        sql_types::Text => "text",
+        sql_types::Bytea => "bytea",
+        sql_types::Jsonb => "jsonb",
+        sql_types::Bool => "bool",
+        sql_types::Timestamptz => "timestamptz",
+    );
+    impl<T: Described + SqlType> Described for sql_types::Nullable<T> {
+        const NAME: &'static str = T::NAME;
+        const NULLABLE: bool = true;
+    }
+    fn column<C>() -> (String, String, bool)
+    where
+        C: Column + Expression,
+        C::SqlType: Described,
+    {
+        (
+            C::NAME.to_owned(),
+            <C::SqlType as Described>::NAME.to_owned(),
+            <C::SqlType as Described>::NULLABLE,
+        )
+    }
+    /// The column names `all_columns` selects, in order, as the query builder writes them.
+    fn all_columns<T>(table: T) -> Vec<String>
+    where
+        T: Table + diesel::query_dsl::methods::SelectDsl<T::AllColumns>,
+        diesel::dsl::Select<T, T::AllColumns>: diesel::query_builder::QueryFragment<diesel::pg::Pg>,
+    {
+        let sql =
+            diesel::debug_query::<diesel::pg::Pg, _>(&table.select(T::all_columns())).to_string();
+        let list = sql
+            .strip_prefix("SELECT ")
+            .and_then(|s| s.split(" FROM ").next())
+            .expect("a select");
+        list.split(", ")
+            .map(|c| c.rsplit('.').next().unwrap().trim_matches('"').to_owned())
+            .collect()
+    }
+
+    /// A table: its name, its declared columns (name, type, nullable), the columns its
+    /// `all_columns` selects, and its declared primary key.
+    type Declared = (
+        &'static str,
+        Vec<(String, String, bool)>,
+        Vec<String>,
+        Vec<&'static str>,
+    );
+    let declared: Vec<Declared> = vec![
+        (
+            "outbox",
+            vec![
+                column::<outbox::id>(),
+                column::<outbox::idempotency_key>(),
+                column::<outbox::topic>(),
+                column::<outbox::aggregate_key>(),
+                column::<outbox::payload>(),
+                column::<outbox::content_type>(),
+                column::<outbox::headers>(),
+                column::<outbox::status>(),
+                column::<outbox::attempts>(),
+                column::<outbox::fencing_token>(),
+                column::<outbox::available_at>(),
+                column::<outbox::lease_until>(),
+                column::<outbox::last_error>(),
+                column::<outbox::created_at>(),
+                column::<outbox::sent_at>(),
+                column::<outbox::dead_at>(),
+            ],
+            all_columns(outbox::table),
+            vec![<outbox::table as Table>::PrimaryKey::NAME],
+        ),
+        (
+            "outbox_inbox",
+            vec![
+                column::<outbox_inbox::consumer>(),
+                column::<outbox_inbox::idempotency_key>(),
+                column::<outbox_inbox::processed_at>(),
+            ],
+            all_columns(outbox_inbox::table),
+            vec![
+                outbox_inbox::consumer::NAME,
+                outbox_inbox::idempotency_key::NAME,
+            ],
+        ),
+        (
+            "outbox_migrations",
+            vec![
+                column::<outbox_migrations::version>(),
+                column::<outbox_migrations::applied_at>(),
+            ],
+            all_columns(outbox_migrations::table),
+            vec![<outbox_migrations::table as Table>::PrimaryKey::NAME],
+        ),
+        (
+            "outbox_relays",
+            vec![
+                column::<outbox_relays::relay_id>(),
+                column::<outbox_relays::idle>(),
+                column::<outbox_relays::expires_at>(),
+                column::<outbox_relays::blocked_since>(),
+            ],
+            all_columns(outbox_relays::table),
+            vec![<outbox_relays::table as Table>::PrimaryKey::NAME],
+        ),
+    ];
+    // `outbox_inbox`'s key is a pair: check the table! says so too.
+    let _: (outbox_inbox::consumer, outbox_inbox::idempotency_key) =
+        <outbox_inbox::table as Table>::primary_key(&outbox_inbox::table);
+
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    Outbox::new().migrate(&mut conn).await.unwrap();
+    #[derive(QueryableByName, Debug)]
+    struct Catalog {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        column_name: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        udt_name: String,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        nullable: bool,
+    }
+    #[derive(QueryableByName)]
+    struct Key {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        column_name: String,
+    }
+    let tables: Vec<String> = declared.iter().map(|(t, ..)| t.to_string()).collect();
+    for (table, columns, selected, key) in declared {
+        let catalog: Vec<Catalog> = diesel::sql_query(
+            "SELECT column_name::text, udt_name::text, is_nullable = 'YES' AS nullable \
+             FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2 \
+             ORDER BY ordinal_position",
+        )
+        .bind::<diesel::sql_types::Text, _>(&schema.name)
+        .bind::<diesel::sql_types::Text, _>(table)
+        .load(&mut conn)
+        .await
+        .unwrap();
+        let in_database: Vec<(String, String, bool)> = catalog
+            .into_iter()
+            .map(|c| (c.column_name, c.udt_name, c.nullable))
+            .collect();
+        assert_eq!(columns, in_database, "{table}: columns, types, nullability");
+        let names: Vec<String> = columns.iter().map(|(n, ..)| n.clone()).collect();
+        assert_eq!(
+            selected, names,
+            "{table}: the table! lists every column, in order"
+        );
+        let keys: Vec<Key> = diesel::sql_query(
+            "SELECT a.attname::text AS column_name FROM pg_index i \
+             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+             WHERE i.indrelid = format('%I.%I', $1::text, $2::text)::regclass AND i.indisprimary \
+             ORDER BY array_position(i.indkey::int2[], a.attnum)",
+        )
+        .bind::<diesel::sql_types::Text, _>(&schema.name)
+        .bind::<diesel::sql_types::Text, _>(table)
+        .load(&mut conn)
+        .await
+        .unwrap();
+        let keys: Vec<String> = keys.into_iter().map(|k| k.column_name).collect();
+        assert_eq!(keys, key, "{table}: primary key");
+    }
+    // And no table of the migration is missing from `schema`.
+    #[derive(QueryableByName)]
+    struct Name {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        table_name: String,
+    }
+    let mut created: Vec<String> = diesel::sql_query(
+        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1",
+    )
+    .bind::<diesel::sql_types::Text, _>(&schema.name)
+    .load::<Name>(&mut conn)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|n| n.table_name)
+    .collect();
+    created.sort();
+    let mut tables = tables;
+    tables.sort();
+    assert_eq!(created, tables);
+}
+
+/// A typed Diesel join of `outbox` with a table of the application's own crate.
+#[tokio::test]
+async fn the_outbox_table_joins_with_an_application_table() {
+    use diesel::query_source::TableNotEqual;
+    use diesel::{ExpressionMethods, JoinOnDsl, NullableExpressionMethods, QueryDsl};
+    use diesel_async::SimpleAsyncConnection;
+    use diesel_outbox::schema::outbox;
+
+    diesel::table! {
+        orders (id) {
+            id -> BigInt,
+            reference -> Text,
+        }
+    }
+    impl TableNotEqual<outbox::table> for orders::table {}
+    impl TableNotEqual<orders::table> for outbox::table {}
+
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    Outbox::new().migrate(&mut conn).await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE orders (id bigint PRIMARY KEY, reference text NOT NULL); \
+         INSERT INTO orders VALUES (1, 'order-1'), (2, 'order-2')",
+    )
+    .await
+    .unwrap();
+    conn.enqueue(Message::new("order.created", "x").aggregate_key("order-2"))
+        .await
+        .unwrap();
+    let waiting: Vec<(String, String, i32)> = orders::table
+        .inner_join(outbox::table.on(outbox::aggregate_key.eq(orders::reference.nullable())))
+        .filter(outbox::status.eq("pending"))
+        .select((orders::reference, outbox::topic, outbox::attempts))
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        waiting,
+        [("order-2".to_owned(), "order.created".to_owned(), 0)]
+    );
+}
