@@ -128,7 +128,10 @@ impl Default for OutboxBuilder {
 
 impl OutboxBuilder {
     /// The table name: `name` or `schema.name`, each part `[a-z_][a-z0-9_]*`. The inbox
-    /// table is `<name>_inbox`, the version table `<name>_migrations`. Defaults to `outbox`.
+    /// table is `<name>_inbox`, the version table `<name>_migrations`. Writers and relays of
+    /// one table must spell it the same way (`outbox` and `public.outbox` are one table but
+    /// two NOTIFY channels, so a relay would not hear those writers and find their messages
+    /// only by polling). Defaults to `outbox`.
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self

@@ -345,16 +345,23 @@ impl RabbitMqPublisher {
                     confirms.fail(i, err);
                 }
                 Err(_) => {
-                    // The writer is stuck (a blocked connection stops lapin writing).
+                    // The writer is stuck: a blocked connection stops lapin writing (an
+                    // outage); on a healthy one this record could not be written in time
+                    // (charged, so a record that never goes through ends dead), and the
+                    // rest is released.
                     let why = if status.blocked() {
                         blocked()
                     } else {
-                        PublishError::unavailable(format!(
-                            "RabbitMQ at {} took the frames of no message within {:?}",
+                        PublishError::transient(format!(
+                            "RabbitMQ at {} took not all of this message's frames within {:?}",
                             self.endpoint, self.confirm_timeout
                         ))
                     };
-                    unwritten = Some(PublishError::unavailable(why.to_string()));
+                    unwritten = Some(PublishError::unavailable(format!(
+                        "not written: an earlier message of the batch could not be written \
+                         within {:?}",
+                        self.confirm_timeout
+                    )));
                     confirms.fail(i, why);
                 }
             }
@@ -429,10 +436,16 @@ fn settled(confirmation: lapin::Result<Confirmation>) -> (Settled, Option<Return
             None,
         ),
         Err(e) => {
+            // A missing exchange, or a broker closing the connection as it shuts down, is
+            // nobody's message's fault.
             let exchange_missing = matches!(
                 e.kind(),
                 ErrorKind::ProtocolError(amqp)
-                    if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+                    if matches!(
+                        amqp.kind(),
+                        AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+                            | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED)
+                    )
             );
             (
                 Settled::Lost {

@@ -197,7 +197,17 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
         // How long to wait for notifications before looking at the lock again.
         let mut wait = HEALTH_CHECK;
         if want && !holding {
-            match sql.watch.query().get_result::<Tried>(conn).await {
+            // Bounded: a connection that died silently must not leave the relay thinking it
+            // is covered by another relay's wake lock.
+            let tried = tokio::time::timeout(
+                HEALTH_CHECK_TIMEOUT,
+                sql.watch.query().get_result::<Tried>(conn),
+            )
+            .await;
+            let Ok(tried) = tried else {
+                return "taking the wake lock got no answer".to_owned();
+            };
+            match tried {
                 Ok(tried) if tried.got => {
                     holding = true;
                     wake.set_watch(Watch::Watching);
@@ -213,8 +223,15 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
                 Err(e) => return format!("taking the wake lock failed: {e}"),
             }
         } else if !want && holding {
-            if let Err(e) = sql.unwatch.query().get_result::<Released>(conn).await {
-                return format!("releasing the wake lock failed: {e}");
+            let released = tokio::time::timeout(
+                HEALTH_CHECK_TIMEOUT,
+                sql.unwatch.query().get_result::<Released>(conn),
+            )
+            .await;
+            match released {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return format!("releasing the wake lock failed: {e}"),
+                Err(_) => return "releasing the wake lock got no answer".to_owned(),
             }
             holding = false;
             wake.set_watch(Watch::Off);

@@ -372,7 +372,7 @@ impl<P: Publisher> Relay<P> {
             )))
         });
 
-        let running = self.run(&run, stopping);
+        let running = self.run(&run, stopping, &stop);
         let mut running = pin!(running);
         let mut shutdown = pin!(shutdown.fuse());
         let result = loop {
@@ -398,7 +398,12 @@ impl<P: Publisher> Relay<P> {
     /// gives its slot back (up to [`MAX_STALLED`] such batches). While the broker is
     /// unavailable the relay claims only after its outage backoff. Returns once `stop` is
     /// true and every batch in flight was drained (a batch still waiting is released).
-    async fn run(&self, run: &Run, stop: watch::Receiver<bool>) -> Result<()> {
+    async fn run(
+        &self,
+        run: &Run,
+        stop: watch::Receiver<bool>,
+        stopper: &watch::Sender<bool>,
+    ) -> Result<()> {
         let inner = &self.inner;
         let table = inner.outbox.table();
         let mut stopped = stop.clone();
@@ -417,19 +422,23 @@ impl<P: Publisher> Relay<P> {
         let mut idle_written = Instant::now();
         // Whether the look that follows taking the wake lock was made.
         let mut watched_look = false;
+        // When the relay last looked for the commits of writers holding the wake lock.
+        let mut contended_look = Instant::now() - WATCH_RETRY;
         let result = 'run: loop {
             let stopping = *stop.borrow();
             if stopping {
                 break Ok(());
             }
             self.sync_blocked(run, &mut blocked_written).await;
+            let backing_off = inner.outage.retry_at();
+            // While the broker is unavailable the waiting batch waits too: it is the next try.
             if ready.is_some()
+                && backing_off.is_none()
                 && let Ok(slot) = slots.clone().try_acquire_owned()
             {
                 let batch = ready.take().expect("checked above");
                 self.start(&mut in_flight, batch, (Some(slot), &slots), run, &stop);
             }
-            let backing_off = inner.outage.retry_at();
             let stalled = run.stalled.load(Ordering::SeqCst);
             // Leave room for the batches that are recording, which no longer hold a slot.
             let room =
@@ -474,6 +483,7 @@ impl<P: Publisher> Relay<P> {
                     .min(BUSY_POLL_MAX)
                     .min(inner.options.poll_interval);
                 let next_look = backing_off.unwrap_or_else(|| Instant::now() + busy_poll);
+                let looks = ready.is_none() || backing_off.is_some();
                 tokio::select! {
                     done = in_flight.join_next(), if !in_flight.is_empty() => {
                         if let Some(done) = done {
@@ -482,9 +492,9 @@ impl<P: Publisher> Relay<P> {
                         claim_more = true;
                     }
                     // A slot is free: the waiting batch starts at the top of the loop.
-                    _ = slots.acquire(), if ready.is_some() => {}
+                    _ = slots.acquire(), if ready.is_some() && backing_off.is_none() => {}
                     // Without room to claim, only a finishing batch makes room.
-                    () = tokio::time::sleep_until(next_look), if ready.is_none() && room => claim_more = true,
+                    () = tokio::time::sleep_until(next_look), if looks && room => claim_more = true,
                     // Blocked time is kept current in `<table>_relays`.
                     () = tokio::time::sleep_until(blocked_written.1 + IDLE_REFRESH), if backing_off.is_some() => {}
                     () = until_stopped(&mut stopped) => break Ok(()),
@@ -534,8 +544,14 @@ impl<P: Publisher> Relay<P> {
                         watched_look = true;
                         break;
                     }
-                    // Writers hold the lock, so their commits will not notify: look for them.
-                    Watch::Contended if self.probe(&run.stop).await => break,
+                    // Writers hold the lock, so their commits will not notify: look for them,
+                    // every `WATCH_RETRY` (a due row the claim cannot take must not spin).
+                    Watch::Contended if contended_look.elapsed() >= WATCH_RETRY => {
+                        contended_look = Instant::now();
+                        if self.probe(&run.stop).await {
+                            break;
+                        }
+                    }
                     _ if !run.wake.listening() => break,
                     _ => {}
                 }
@@ -566,7 +582,11 @@ impl<P: Publisher> Relay<P> {
             }
         };
         // Shutdown: a batch still waiting is released; batches in flight drain (their tasks
-        // saw `stop`), then are recorded, all within the drain timeout and a grace.
+        // saw `stop`), then are recorded, all within the drain timeout and a grace. On an
+        // error the relay stops the same way.
+        if result.is_err() {
+            let _ = stopper.send(true);
+        }
         if let Some(batch) = ready {
             if result.is_ok() {
                 self.start(&mut in_flight, batch, (None, &slots), run, &stop);

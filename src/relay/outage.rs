@@ -31,21 +31,27 @@ struct State {
     failures: u32,
     retry_at: Option<Instant>,
     logged_at: Option<Instant>,
+    /// When the last outage ended: a wave that started before then says nothing new.
+    recovered_at: Option<Instant>,
 }
 
 impl Outage {
-    /// A wave of publishes found the broker unavailable. Batches failing together while the
-    /// relay already backs off count once, so the backoff grows per try, not per batch.
+    /// A wave of publishes that started at `started` found the broker unavailable. Batches
+    /// failing together while the relay already backs off count once, so the backoff grows
+    /// per try, not per batch; a wave that started before the last outage ended is old news.
     pub(super) fn report(
         &self,
         table: &str,
+        started: Instant,
         err: &PublishError,
         options: &Options,
         metrics: &dyn Metrics,
     ) {
         let now = Instant::now();
         let mut state = self.state.lock().expect("outage state");
-        if state.retry_at.is_some_and(|at| at > now) {
+        if state.retry_at.is_some_and(|at| at > now)
+            || state.recovered_at.is_some_and(|at| started < at)
+        {
             return;
         }
         state.failures = state.failures.saturating_add(1);
@@ -79,7 +85,10 @@ impl Outage {
         let mut state = self.state.lock().expect("outage state");
         if let Some(since) = state.since.filter(|since| started >= *since) {
             let outage = since.elapsed();
-            *state = State::default();
+            *state = State {
+                recovered_at: Some(Instant::now()),
+                ..State::default()
+            };
             drop(state);
             tracing::info!(table = %table, outage = ?outage, "broker reachable again; publishing resumes");
             metrics.unblocked(outage);
@@ -127,7 +136,7 @@ mod tests {
         let before = Instant::now();
         tokio::time::advance(Duration::from_millis(1)).await;
         for _ in 0..100 {
-            outage.report("t", &err, &options, &metrics);
+            outage.report("t", Instant::now(), &err, &options, &metrics);
         }
         // One try: the first step of the backoff (1 s, with jitter), not the hundredth.
         let first = outage.retry_at().unwrap() - Instant::now();
@@ -138,11 +147,15 @@ mod tests {
         assert!(outage.since().is_some());
         tokio::time::advance(first).await;
         assert_eq!(outage.retry_at(), None, "time to try again");
-        outage.report("t", &err, &options, &metrics);
+        outage.report("t", Instant::now(), &err, &options, &metrics);
         let second = outage.retry_at().unwrap() - Instant::now();
         assert!(second >= Duration::from_secs(1) && second <= Duration::from_secs(2));
         outage.recovered("t", Instant::now(), &metrics);
         assert_eq!(outage.since(), None);
         assert_eq!(metrics.unblocked.load(Ordering::SeqCst), 1);
+        // A wave that began before the recovery and failed after it starts no new outage.
+        outage.report("t", before, &err, &options, &metrics);
+        assert_eq!(outage.since(), None);
+        assert_eq!(metrics.blocked.load(Ordering::SeqCst), 1);
     }
 }

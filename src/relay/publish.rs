@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::store::{Batch, Claimed, Outcome};
-use super::{RECORD_GRACE, Relay};
+use super::{MAX_STALLED, RECORD_GRACE, Relay};
 use crate::publisher::{PublishError, Publisher, Record};
 
 /// A batch whose wave has run this long with nothing left to start is stalled: it gives its
@@ -48,27 +48,64 @@ impl Slot {
         }
     }
 
-    /// The batch waits only on slow publishes: let the relay start others meanwhile.
+    /// The batch waits only on slow publishes: let the relay start others meanwhile (unless
+    /// [`MAX_STALLED`] batches already wait so; then it keeps its slot).
     fn stall(&mut self) {
-        if self.permit.take().is_some() {
-            self.stalled.fetch_add(1, Ordering::SeqCst);
+        if self.permit.is_none() {
+            return;
+        }
+        let counted = self
+            .stalled
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < MAX_STALLED).then_some(n + 1)
+            })
+            .is_ok();
+        if counted {
+            self.permit = None;
             self.counted = true;
         }
     }
 
+    /// Whether the batch holds a slot it could give back.
+    fn holds(&self) -> bool {
+        self.permit.is_some()
+    }
+
     /// Before a new wave: a batch that stalled takes a slot again, so stalled batches do
-    /// not publish beside a full pipeline.
-    async fn regain(&mut self) {
+    /// not publish beside a full pipeline. Known outcomes are recorded while it waits, and
+    /// it gives up (false) once `late` says the wave may no longer start.
+    async fn regain<P: Publisher>(
+        &mut self,
+        outcomes: &mut Outcomes<P>,
+        late: impl Fn() -> bool,
+    ) -> bool {
         if !self.counted {
-            return;
+            return true;
         }
-        if let Some(slots) = &self.slots
-            && let Ok(permit) = slots.clone().acquire_owned().await
-        {
-            self.permit = Some(permit);
-        }
+        let Some(slots) = self.slots.clone() else {
+            return true;
+        };
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        let acquire = slots.acquire_owned();
+        tokio::pin!(acquire);
+        let regained = loop {
+            tokio::select! {
+                permit = &mut acquire => break permit.ok(),
+                _ = tick.tick() => {
+                    outcomes.flush_if_idle();
+                    if late() {
+                        break None;
+                    }
+                }
+            }
+        };
+        let Some(permit) = regained else {
+            return false;
+        };
+        self.permit = Some(permit);
         self.stalled.fetch_sub(1, Ordering::SeqCst);
         self.counted = false;
+        true
     }
 
     /// Publishing is over.
@@ -253,12 +290,15 @@ impl<P: Publisher> Relay<P> {
         let mut released = 0;
         let count = ready.len();
         for wave in waves(ready) {
-            slot.regain().await;
+            // What is known is recorded before this batch may wait for a slot again.
+            outcomes.flush_if_idle();
+            let regained =
+                drain.stopping() || slot.regain(outcomes, || self.too_late(claimed_at)).await;
             // Later waves wait for earlier ones (and a batch may wait for a publishing slot);
             // once half the lease is gone, or too little of it is left for the publisher's
             // own timeout, the rest is released rather than risk publishing it after another
             // relay took it over.
-            let late = self.too_late(claimed_at);
+            let late = !regained || self.too_late(claimed_at);
             // The broker went away while this batch was publishing: keep the rest.
             let unavailable = inner.outage.since().is_some_and(|since| since >= started);
             let (go, held): (Vec<Claimed>, Vec<Claimed>) = wave.into_iter().partition(|c| {
@@ -289,11 +329,16 @@ impl<P: Publisher> Relay<P> {
                 released: &mut released,
                 unavailable: None,
             };
+            let wave_started = Instant::now();
             self.publish_wave(go, &mut wave, outcomes).await;
             if let Some(err) = wave.unavailable.take() {
-                inner
-                    .outage
-                    .report(inner.outbox.table(), &err, &inner.options, &*inner.metrics);
+                inner.outage.report(
+                    inner.outbox.table(),
+                    wave_started,
+                    &err,
+                    &inner.options,
+                    &*inner.metrics,
+                );
             }
         }
         tracing::debug!(table = %inner.outbox.table(), records = count, took = ?started.elapsed(), "published");
@@ -347,7 +392,15 @@ impl<P: Publisher> Relay<P> {
         let half = options.lease / 2;
         let hard = self.hard_deadline(wave.claimed_at);
         let stall_after = STALL.min(options.lease / 8);
+        // Records whose turn has come (started, or skipped): once all have, only slow
+        // publishes can keep the wave going.
         let begun = AtomicUsize::new(0);
+        // Past the publisher's own timeout, so that it reports first (the RabbitMQ
+        // publisher yields every result only once all are in).
+        let own = inner
+            .publisher
+            .timeout()
+            .map_or(half, |t| half.max(t + options.lease / 20));
         // Set once a publish of this wave found the broker unavailable: start no more.
         let unavailable = AtomicBool::new(false);
         let pipelined =
@@ -363,12 +416,6 @@ impl<P: Publisher> Relay<P> {
                             Err(_) => (usize::MAX, None),
                         })
                         .boxed();
-                    // Past the publisher's own timeout, so that it reports first (the
-                    // RabbitMQ publisher yields every result only once all are in).
-                    let own = inner
-                        .publisher
-                        .timeout()
-                        .map_or(half, |t| half.max(t + options.lease / 20));
                     (stream, Some((wave_start + own).min(hard)))
                 }
                 Ok(None) => {
@@ -382,6 +429,7 @@ impl<P: Publisher> Relay<P> {
                                 // Futures start when first polled: a record whose turn comes
                                 // after shutdown, during an outage, or too late in the lease
                                 // is never started (it is released).
+                                begun.fetch_add(1, Ordering::SeqCst);
                                 let stopping = *stop.borrow();
                                 if stopping
                                     || unavailable.load(Ordering::SeqCst)
@@ -389,9 +437,8 @@ impl<P: Publisher> Relay<P> {
                                 {
                                     return (i, None);
                                 }
-                                begun.fetch_add(1, Ordering::SeqCst);
                                 let started = Instant::now();
-                                let deadline = (started + half).min(hard).max(started);
+                                let deadline = (started + own).min(hard).max(started);
                                 // The call itself may panic, not only its future.
                                 let publish = std::panic::catch_unwind(AssertUnwindSafe(|| {
                                     inner.publisher.publish(record)
@@ -475,12 +522,12 @@ impl<P: Publisher> Relay<P> {
                     break;
                 }
                 _ = stall_check.tick() => {
-                    if outcomes.stalled {
-                        outcomes.flush_if_idle();
-                    } else if begun.load(Ordering::SeqCst) >= records.len() {
+                    if wave.slot.holds() && begun.load(Ordering::SeqCst) >= records.len() {
                         tracing::debug!(table = %inner.outbox.table(), "a publish is slow: recording the others and freeing the batch's slot");
                         wave.slot.stall();
                         outcomes.stall();
+                    } else {
+                        outcomes.flush_if_idle();
                     }
                 }
                 () = super::until_stopped(&mut stop), if wave.drain.deadline.is_none() => {
@@ -503,6 +550,7 @@ impl<P: Publisher> Relay<P> {
                 self.settle(&records[i], tokens[i], None, wave, outcomes);
             }
         }
+        outcomes.flush_if_idle();
     }
 
     /// Turns one record's publish result into its outcome.
