@@ -1,4 +1,4 @@
-//! The performance figures of DESIGN §11, each beside a baseline measured in the same run.
+//! The performance figures of BENCHMARKS.md, each beside a baseline measured in the same run.
 //!
 //! ```sh
 //! cargo bench --bench outbox --features cli              # everything
