@@ -122,6 +122,16 @@ struct Lent {
     frame_max: u32,
 }
 
+impl Lent {
+    fn new(channel: Channel, connection: &Connection) -> Self {
+        Lent {
+            channel,
+            status: connection.status().clone(),
+            frame_max: connection.configuration().frame_max(),
+        }
+    }
+}
+
 /// Configures a [`RabbitMqPublisher`]; from [`RabbitMqPublisher::builder`].
 #[must_use]
 pub struct RabbitMqPublisherBuilder {
@@ -171,18 +181,10 @@ impl RabbitMqPublisher {
             .as_ref()
             .is_some_and(|c| c.status().connected());
         if connected {
-            let connection = link.connection.as_ref().expect("connected above");
-            let (status, frame_max) = (
-                connection.status().clone(),
-                connection.configuration().frame_max(),
-            );
             while let Some(channel) = link.idle.pop() {
                 if channel.status().connected() {
-                    return Ok(Lent {
-                        channel,
-                        status,
-                        frame_max,
-                    });
+                    let connection = link.connection.as_ref().expect("connected above");
+                    return Ok(Lent::new(channel, connection));
                 }
             }
         } else {
@@ -247,11 +249,7 @@ impl RabbitMqPublisher {
                 ));
             }
         };
-        let lent = Lent {
-            channel,
-            status: connection.status().clone(),
-            frame_max: connection.configuration().frame_max(),
-        };
+        let lent = Lent::new(channel, connection);
         link.backoff = None;
         link.retry_at = None;
         Ok(lent)
@@ -401,7 +399,7 @@ enum Settled {
     /// confirm still awaited on it alike, so whose fault it was is not known: see
     /// [`Confirms::finish`].
     Lost {
-        exchange_missing: bool,
+        broker_side: bool,
         text: String,
     },
 }
@@ -436,20 +434,10 @@ fn settled(confirmation: lapin::Result<Confirmation>) -> (Settled, Option<Return
             None,
         ),
         Err(e) => {
-            // A missing exchange, or a broker closing the connection as it shuts down, is
-            // nobody's message's fault.
-            let exchange_missing = matches!(
-                e.kind(),
-                ErrorKind::ProtocolError(amqp)
-                    if matches!(
-                        amqp.kind(),
-                        AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
-                            | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED)
-                    )
-            );
+            let broker_side = closed_by_broker_side(&e);
             (
                 Settled::Lost {
-                    exchange_missing,
+                    broker_side,
                     text: format!("confirm failed: {e}"),
                 },
                 None,
@@ -470,15 +458,23 @@ fn classify(err: &lapin::Error, text: String) -> PublishError {
         | ErrorKind::InvalidConnectionState(_)
         | ErrorKind::InvalidChannelState(..)
         | ErrorKind::ChannelsLimitReached => PublishError::unavailable(text),
-        ErrorKind::ProtocolError(amqp) => match amqp.kind() {
-            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
-            | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED) => {
-                PublishError::unavailable(text)
-            }
-            _ => PublishError::transient(text),
-        },
+        _ if closed_by_broker_side(err) => PublishError::unavailable(text),
         _ => PublishError::transient(text),
     }
+}
+
+/// A channel or connection the broker closed for a reason of its own, not of a message's: a
+/// missing exchange, or a forced close as the broker shuts down.
+fn closed_by_broker_side(err: &lapin::Error) -> bool {
+    matches!(
+        err.kind(),
+        ErrorKind::ProtocolError(amqp)
+            if matches!(
+                amqp.kind(),
+                AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+                    | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED)
+            )
+    )
 }
 
 /// Awaits confirms until all are in or the deadline passes, then reads those that are in
@@ -511,8 +507,8 @@ struct Confirms<'a> {
     records: &'a [Record],
     results: Vec<Option<std::result::Result<(), PublishError>>>,
     returned: Vec<Returned>,
-    /// Records whose confirm failed because the channel went down: `(index, exchange
-    /// missing, error)`.
+    /// Records whose confirm failed because the channel went down: `(index, closed by the
+    /// broker's side, error)`.
     lost: Vec<(usize, bool, String)>,
 }
 
@@ -538,11 +534,8 @@ impl<'a> Confirms<'a> {
             Settled::Ack => Ok(()),
             Settled::Nack => Err(PublishError::transient("the broker nacked the message")),
             Settled::Failed(err) => Err(err),
-            Settled::Lost {
-                exchange_missing,
-                text,
-            } => {
-                self.lost.push((i, exchange_missing, text));
+            Settled::Lost { broker_side, text } => {
+                self.lost.push((i, broker_side, text));
                 return;
             }
         });
@@ -552,8 +545,8 @@ impl<'a> Confirms<'a> {
     /// record without a confirm failed with `unconfirmed()`. Of the records whose channel
     /// went down under them, the first written is charged a transient failure (it may be the
     /// one that brought the channel down; a message that does so every time must end dead,
-    /// not be retried forever) and the others are released as an outage; a missing exchange
-    /// is an outage for all of them.
+    /// not be retried forever) and the others are released as an outage; a close on the
+    /// broker's side (a missing exchange, a broker shutting down) is an outage for all.
     fn finish(
         mut self,
         exchange: &str,
@@ -561,8 +554,8 @@ impl<'a> Confirms<'a> {
     ) -> Vec<std::result::Result<(), PublishError>> {
         self.lost.sort_by_key(|(i, _, _)| *i);
         let mut charged = false;
-        for (i, exchange_missing, text) in std::mem::take(&mut self.lost) {
-            let err = if exchange_missing || charged {
+        for (i, broker_side, text) in std::mem::take(&mut self.lost) {
+            let err = if broker_side || charged {
                 PublishError::unavailable(text)
             } else {
                 charged = true;
@@ -841,8 +834,8 @@ mod tests {
     #[test]
     fn a_channel_lost_under_a_batch_charges_only_its_first_written_record() {
         let records = [record("a"), record("b"), record("c"), record("d")];
-        let lost = |exchange_missing| Settled::Lost {
-            exchange_missing,
+        let lost = |broker_side| Settled::Lost {
+            broker_side,
             text: "confirm failed: channel closed".into(),
         };
         let mut closed = Confirms::new(&records);

@@ -295,7 +295,7 @@ async fn run(tier: Tier) {
         env: vec![
             (
                 "DATABASE_URL".into(),
-                with_application_name(&common::database_url(), &app_name),
+                common::with_application_name(&common::database_url(), &app_name),
             ),
             ("AMQP_URL".into(), amqp_url_via(proxy.addr)),
             (
@@ -1033,11 +1033,6 @@ fn queue_depth(queue: &str) -> u64 {
         .find(|(name, _)| *name == queue)
         .and_then(|(_, n)| n.trim().parse().ok())
         .expect("the queue is listed")
-}
-
-fn with_application_name(url: &str, name: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}application_name={name}")
 }
 
 /// Restores the broker's memory watermark when dropped, so a failing test cannot leave the

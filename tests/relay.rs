@@ -1101,6 +1101,36 @@ async fn a_batch_reads_only_its_rows_when_statistics_predate_the_backlog() {
     );
 }
 
+/// Waits (with a deadline) until a backend waits for a lock that `condition` describes (SQL
+/// on `pg_locks l` left-joined to its relation's `pg_class c`), or until `done()`.
+async fn wait_for_lock_waiter(
+    conn: &mut diesel_async::AsyncPgConnection,
+    condition: &str,
+    done: impl Fn() -> bool,
+) {
+    #[derive(QueryableByName)]
+    struct Waiting {
+        #[diesel(sql_type = Bool)]
+        waiting: bool,
+    }
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks l LEFT JOIN pg_class c ON c.oid = l.relation \
+         WHERE NOT l.granted AND ({condition})) AS waiting"
+    );
+    let deadline = Instant::now() + DEADLINE;
+    while !done() {
+        let w: Waiting = diesel::sql_query(&sql).get_result(conn).await.unwrap();
+        if w.waiting {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nobody waited for a lock where {condition}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Rows written by other means can spoil any column the relay reads. Each such row dies
 /// alone with its reason; the claim around it, and every row behind it, goes on.
 #[tokio::test]
@@ -1203,28 +1233,10 @@ async fn a_claim_never_takes_rows_another_relay_is_leasing() {
         .unwrap();
     let claim = tokio::spawn(async move { r2.run_once().await });
     // Let R2's claim run into R1's locks (if it waits for them at all).
-    #[derive(QueryableByName)]
-    struct Waiting {
-        #[diesel(sql_type = Bool)]
-        waiting: bool,
-    }
-    let deadline = Instant::now() + DEADLINE;
-    while !claim.is_finished() {
-        let w: Waiting = diesel::sql_query(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND locktype = 'transactionid') AS waiting",
-        )
-        .get_result(&mut f.conn)
-        .await
-        .unwrap();
-        if w.waiting {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "R2's claim neither finished nor waited"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_lock_waiter(&mut f.conn, "l.locktype = 'transactionid'", || {
+        claim.is_finished()
+    })
+    .await;
     r1.batch_execute("COMMIT").await.unwrap();
     claim.await.unwrap().unwrap();
 
@@ -1910,12 +1922,12 @@ async fn looks_for_work_and_stats_stay_on_the_indexes_whatever_the_statistics() 
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
+    // Counts this connection's own reads at once; other backends' reach the view when they
+    // exit (see below).
     let scanned = async |conn: &mut diesel_async::AsyncPgConnection| -> i64 {
         conn.batch_execute("SELECT pg_stat_force_next_flush()")
             .await
             .unwrap();
-        // The counters of other backends reach the view when they next go idle.
-        tokio::time::sleep(Duration::from_millis(50)).await;
         diesel::sql_query(format!(
             "SELECT coalesce(seq_tup_read, 0) AS n FROM pg_stat_user_tables \
              WHERE relid = '{t}'::regclass"
@@ -1938,9 +1950,10 @@ async fn looks_for_work_and_stats_stay_on_the_indexes_whatever_the_statistics() 
     // One message: the relay wakes, publishes, and lingers, looking for more every
     // millisecond, before it goes idle.
     let recorder = Recorder::default();
+    let name = common::unique("lingering");
     let relay = f
         .outbox
-        .relay(common::pool(2).await, recorder.clone())
+        .relay(common::named_pool(2, &name).await, recorder.clone())
         .build()
         .unwrap();
     let (stop, task) = spawn_relay(relay);
@@ -1950,6 +1963,28 @@ async fn looks_for_work_and_stats_stay_on_the_indexes_whatever_the_statistics() 
         .await;
     f.wait_idle_relays(1).await;
     stop_relay(stop, task).await;
+    // The relay's backends report what they read as they exit: wait until they are gone.
+    #[derive(QueryableByName)]
+    struct Backends {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let deadline = Instant::now() + DEADLINE;
+    while diesel::sql_query(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind::<Text, _>(&name)
+    .get_result::<Backends>(&mut f.conn)
+    .await
+    .unwrap()
+    .n > 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the relay's backends did not exit"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let read = scanned(&mut f.conn).await - after_stats;
     assert!(
         read < 10_000,
@@ -2019,31 +2054,11 @@ async fn shutdown_is_bounded_while_the_database_does_not_answer() {
         .await
         .unwrap();
     // Let the relay run into the lock.
-    #[derive(QueryableByName)]
-    struct Waiting {
-        #[diesel(sql_type = Bool)]
-        waiting: bool,
-    }
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        let w: Waiting = diesel::sql_query(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
-             WHERE NOT l.granted AND c.relname = 'outbox' AND c.relnamespace = $1::regnamespace) \
-             AS waiting",
-        )
-        .bind::<Text, _>(&f.schema.name)
-        .get_result(&mut f.conn)
-        .await
-        .unwrap();
-        if w.waiting {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the relay never waited for the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let on_the_table = format!(
+        "c.relname = 'outbox' AND c.relnamespace = '{}'::regnamespace",
+        f.schema.name
+    );
+    wait_for_lock_waiter(&mut f.conn, &on_the_table, || false).await;
     let stopped_at = Instant::now();
     let _ = stop.send(());
     let result = tokio::time::timeout(Duration::from_secs(10), task).await;

@@ -129,9 +129,10 @@ struct RelayArgs {
     /// Broker confirm timeout per batch.
     #[arg(long, default_value = "10s", value_parser = parse_duration, allow_hyphen_values = true)]
     confirm_timeout: Duration,
-    /// The most payload and header bytes one claim takes (at least one row).
-    #[arg(long, default_value_t = 16 * 1024 * 1024)]
-    max_batch_bytes: usize,
+    /// The most payload and header bytes one claim takes (at least one row) [default:
+    /// the library's, 16 MiB].
+    #[arg(long)]
+    max_batch_bytes: Option<usize>,
     /// Database connections in the relay's pool (plus one for LISTEN).
     #[arg(long, default_value_t = 4)]
     pool_size: u32,
@@ -501,11 +502,13 @@ async fn start_relay(
         .max_attempts(args.max_attempts)
         .backoff(args.backoff_min, args.backoff_max)
         .drain_timeout(args.drain_timeout)
-        .max_batch_bytes(args.max_batch_bytes)
         .retention(args.retention.0)
         .inbox_retention(args.inbox_retention.0);
     if args.without_notify {
         builder = builder.without_notify();
+    }
+    if let Some(bytes) = args.max_batch_bytes {
+        builder = builder.max_batch_bytes(bytes);
     }
     Ok(builder.build()?)
 }

@@ -199,15 +199,11 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
         if want && !holding {
             // Bounded: a connection that died silently must not leave the relay thinking it
             // is covered by another relay's wake lock.
-            let tried = tokio::time::timeout(
-                HEALTH_CHECK_TIMEOUT,
+            let tried = answered(
+                "taking the wake lock",
                 sql.watch.query().get_result::<Tried>(conn),
-            )
-            .await;
-            let Ok(tried) = tried else {
-                return "taking the wake lock got no answer".to_owned();
-            };
-            match tried {
+            );
+            match tried.await {
                 Ok(tried) if tried.got => {
                     holding = true;
                     wake.set_watch(Watch::Watching);
@@ -220,18 +216,15 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
                     wake.set_watch(Watch::Contended);
                     wait = WATCH_RETRY;
                 }
-                Err(e) => return format!("taking the wake lock failed: {e}"),
+                Err(why) => return why,
             }
         } else if !want && holding {
-            let released = tokio::time::timeout(
-                HEALTH_CHECK_TIMEOUT,
+            let released = answered(
+                "releasing the wake lock",
                 sql.unwatch.query().get_result::<Released>(conn),
-            )
-            .await;
-            match released {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => return format!("releasing the wake lock failed: {e}"),
-                Err(_) => return "releasing the wake lock got no answer".to_owned(),
+            );
+            if let Err(why) = released.await {
+                return why;
             }
             holding = false;
             wake.set_watch(Watch::Off);
@@ -265,11 +258,21 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
         }
         if timed_out && wait == HEALTH_CHECK {
             // Notifications that arrive meanwhile are buffered by the connection.
-            match tokio::time::timeout(HEALTH_CHECK_TIMEOUT, conn.batch_execute("SELECT 1")).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return format!("health check failed: {e}"),
-                Err(_) => return "health check got no answer".to_owned(),
+            if let Err(why) = answered("health check", conn.batch_execute("SELECT 1")).await {
+                return why;
             }
         }
+    }
+}
+
+/// `query`'s result within [`HEALTH_CHECK_TIMEOUT`], or why not (naming `what`).
+async fn answered<T, E: std::fmt::Display>(
+    what: &str,
+    query: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(HEALTH_CHECK_TIMEOUT, query).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(format!("{what} failed: {e}")),
+        Err(_) => Err(format!("{what} got no answer")),
     }
 }

@@ -36,9 +36,6 @@ use self::store::{Batch, Outcome};
 /// with `.test_on_check_out(false)` (broken connections are still detected and replaced).
 pub type PgPool = diesel_async::pooled_connection::bb8::Pool<AsyncPgConnection>;
 
-type PooledConnection<'a> =
-    diesel_async::pooled_connection::bb8::PooledConnection<'a, AsyncPgConnection>;
-
 impl Outbox {
     /// A relay for this table, publishing through `publisher`, with connections from
     /// `pool`. See [`RelayBuilder`] for the options.
@@ -611,32 +608,27 @@ impl<P: Publisher> Relay<P> {
 
     /// While lingering: returns once a cheap probe sees a due row, or the linger time is over.
     async fn wait_due(&self) {
-        let inner = &self.inner;
         let until = Instant::now() + LINGER;
         while Instant::now() < until {
             tokio::time::sleep(LINGER_POLL).await;
-            let due = async {
-                let mut conn = inner.pool.get().await?;
-                inner.outbox.anything_due(&mut conn).await
-            }
-            .await;
-            // On an error, let the claim report it.
-            if due.unwrap_or(true) {
+            if self.due().await {
                 return;
             }
         }
     }
 
     /// One cheap look for due work; true on an error too, to let the claim report it.
-    /// Gives up (false) once `stop` turns true.
-    async fn probe(&self, stop: &watch::Receiver<bool>) -> bool {
-        let probing = async {
+    async fn due(&self) -> bool {
+        let looking = async {
             let mut conn = self.inner.pool.get().await?;
             self.inner.outbox.anything_due(&mut conn).await
         };
-        or_stop(stop, probing)
-            .await
-            .is_some_and(|due| due.unwrap_or(true))
+        looking.await.unwrap_or(true)
+    }
+
+    /// [`Relay::due`], giving up (false) once `stop` turns true.
+    async fn probe(&self, stop: &watch::Receiver<bool>) -> bool {
+        or_stop(stop, self.due()).await.unwrap_or(false)
     }
 
     /// Publishes a claimed batch and records its outcomes on a task of its own. The
@@ -732,33 +724,14 @@ impl<P: Publisher> Relay<P> {
         Ok(claimed)
     }
 
-    /// A pooled connection; `None` when `stop` turns true first (a checkout may wait for
-    /// the pool's whole connection timeout, and shutdown must not).
-    async fn checkout(
-        &self,
-        stop: Option<&watch::Receiver<bool>>,
-    ) -> Option<Result<PooledConnection<'_>>> {
-        let get = async { self.inner.pool.get().await.map_err(Error::from) };
-        match stop {
-            None => Some(get.await),
-            Some(stop) => or_stop(stop, get).await,
-        }
-    }
-
     /// Claims up to `batch_size` due rows (none once `stop` is true: a claim that has not
     /// answered by then is given up, and what it may have claimed waits for its lease).
     async fn claim(&self, stop: Option<&watch::Receiver<bool>>) -> Result<Batch> {
         let inner = &self.inner;
         let started = Instant::now();
         let claiming = async {
-            let Some(conn) = self.checkout(None).await else {
-                return Ok(Batch::default());
-            };
-            let mut conn = conn?;
-            inner
-                .outbox
-                .claim(&mut conn, &inner.options.claim_limits())
-                .await
+            let mut conn = inner.pool.get().await?;
+            inner.outbox.claim(&mut conn, &inner.options).await
         };
         let batch = match stop {
             None => claiming.await?,

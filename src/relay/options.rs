@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use super::store::ClaimLimits;
 use crate::error::{Error, Result};
 
 /// Relay settings; every field is set through [`RelayBuilder`](super::RelayBuilder).
@@ -132,16 +131,6 @@ impl Options {
             }
         }
         Ok(())
-    }
-
-    /// What bounds each claim.
-    pub(crate) fn claim_limits(&self) -> ClaimLimits {
-        ClaimLimits {
-            batch_size: self.batch_size,
-            lease: self.lease,
-            max_attempts: self.max_attempts,
-            max_batch_bytes: self.max_batch_bytes,
-        }
     }
 
     /// Delay before attempt `attempt + 1`: exponential from `backoff_min`, capped at

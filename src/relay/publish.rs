@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::store::{Batch, Claimed, Outcome};
-use super::{MAX_STALLED, RECORD_GRACE, Relay};
+use super::{MAX_STALLED, Relay};
 use crate::publisher::{PublishError, Publisher, Record};
 
 /// A batch whose wave has run this long with nothing left to start is stalled: it gives its
@@ -143,7 +143,6 @@ struct Outcomes<P> {
     relay: Relay<P>,
     pending: Vec<Outcome>,
     flushing: Option<JoinHandle<()>>,
-    flushed: Vec<JoinHandle<()>>,
     stalled: bool,
     /// Recording keeps trying until then: a lease after the leases end (a late outcome
     /// still counts unless another relay took the rows over, when fencing discards it).
@@ -168,12 +167,12 @@ impl<P: Publisher> Outcomes<P> {
         if !self.stalled || self.pending.is_empty() {
             return;
         }
-        if let Some(running) = self.flushing.take() {
-            if !running.is_finished() {
-                self.flushing = Some(running);
-                return;
-            }
-            self.flushed.push(running);
+        if self
+            .flushing
+            .as_ref()
+            .is_some_and(|running| !running.is_finished())
+        {
+            return;
         }
         let outcomes = std::mem::take(&mut self.pending);
         let relay = self.relay.clone();
@@ -183,17 +182,15 @@ impl<P: Publisher> Outcomes<P> {
         }));
     }
 
-    /// Records what is left and waits for earlier flushes, all by `by`.
-    async fn finish(mut self, by: Instant) {
+    /// Records what is left and waits for a flush still running (recording gives way to
+    /// shutdown by itself, see [`Relay::record`]).
+    async fn finish(mut self) {
         let outcomes = std::mem::take(&mut self.pending);
         self.relay
-            .record(&outcomes, by, Some(self.stop.clone()))
+            .record(&outcomes, self.record_by, Some(self.stop.clone()))
             .await;
-        for flush in self.flushed.drain(..).chain(self.flushing.take()) {
-            let abort = flush.abort_handle();
-            if tokio::time::timeout_at(by, flush).await.is_err() {
-                abort.abort();
-            }
+        if let Some(flush) = self.flushing.take() {
+            let _ = flush.await;
         }
     }
 }
@@ -232,7 +229,6 @@ impl<P: Publisher> Relay<P> {
             relay: self.clone(),
             pending: Vec::with_capacity(ready.len() + undecodable.len()),
             flushing: None,
-            flushed: Vec::new(),
             stalled: false,
             record_by,
             stop: stop.clone(),
@@ -260,14 +256,7 @@ impl<P: Publisher> Relay<P> {
         self.publish(ready, claimed_at, &mut drain, &mut slot, &mut outcomes)
             .await;
         slot.release();
-        // At shutdown, recording gets a moment after the drain.
-        let by = if drain.stopping() {
-            let drained = drain.deadline.unwrap_or_else(Instant::now);
-            (drained.max(Instant::now()) + RECORD_GRACE).min(record_by.max(Instant::now()))
-        } else {
-            record_by
-        };
-        outcomes.finish(by).await;
+        outcomes.finish().await;
     }
 
     /// Publishes in waves: a claim holds at most a run of consecutive messages per

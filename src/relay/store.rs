@@ -11,6 +11,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Nullable, Text, Tim
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use tokio::time::Instant;
 
+use super::options::Options;
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Record;
@@ -59,15 +60,6 @@ struct OutcomeRow {
     #[diesel(sql_type = BigInt)]
     #[allow(dead_code)] // returned to count the rows that were updated
     id: i64,
-}
-
-/// What bounds one claim.
-#[derive(Debug, Clone)]
-pub(crate) struct ClaimLimits {
-    pub(crate) batch_size: usize,
-    pub(crate) lease: Duration,
-    pub(crate) max_attempts: u32,
-    pub(crate) max_batch_bytes: usize,
 }
 
 /// A claimed record with the fencing token its outcome must carry.
@@ -171,7 +163,7 @@ impl Outbox {
     pub(crate) async fn claim(
         &self,
         conn: &mut AsyncPgConnection,
-        limits: &ClaimLimits,
+        limits: &Options,
     ) -> Result<Batch> {
         let claimed_at = Instant::now();
         let rows = self
@@ -195,7 +187,11 @@ impl Outbox {
         for row in rows {
             let token = row.fencing_token;
             let status_dead = row.status == "dead";
-            let decoded = decode(&row);
+            // A row that cannot be decoded is still named by key and topic as it dies.
+            let (headers, created_at, undecodable) = match decode(&row) {
+                Ok((headers, created_at)) => (headers, created_at, None),
+                Err(why) => (BTreeMap::new(), DateTime::UNIX_EPOCH, Some(why)),
+            };
             let record = Record {
                 id: row.id,
                 key: row.key,
@@ -203,25 +199,18 @@ impl Outbox {
                 aggregate_key: row.aggregate_key,
                 payload: row.payload,
                 content_type: row.content_type,
-                headers: BTreeMap::new(),
+                headers,
                 // A head was charged by the claim; a run member is charged when published.
                 attempt: u32::try_from(row.attempts).unwrap_or(0) + u32::from(!row.head),
-                created_at: DateTime::UNIX_EPOCH,
+                created_at,
             };
-            match decoded {
+            match undecodable {
                 _ if status_dead => batch.crash_looped.push(record),
-                Err(why) => {
+                Some(why) => {
                     let outcome = Outcome::dead(&record, token, &why);
                     batch.undecodable.push((record, outcome));
                 }
-                Ok((headers, created_at)) => batch.ready.push(Claimed {
-                    record: Record {
-                        headers,
-                        created_at,
-                        ..record
-                    },
-                    token,
-                }),
+                None => batch.ready.push(Claimed { record, token }),
             }
         }
         batch.ready.sort_by_key(|c| c.record.id);

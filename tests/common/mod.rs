@@ -124,8 +124,28 @@ where
 
 /// A small pool for relays, without the per-checkout test query.
 pub async fn pool(size: u32) -> diesel_outbox::PgPool {
+    pool_for(size, database_url()).await
+}
+
+/// [`pool`] whose connections carry `application_name`, so a test can find (or wait out)
+/// their backends in `pg_stat_activity`.
+pub async fn named_pool(size: u32, application_name: &str) -> diesel_outbox::PgPool {
+    pool_for(
+        size,
+        with_application_name(&database_url(), application_name),
+    )
+    .await
+}
+
+/// `url` with `application_name` set.
+pub fn with_application_name(url: &str, name: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={name}")
+}
+
+async fn pool_for(size: u32, url: String) -> diesel_outbox::PgPool {
     use diesel_async::pooled_connection::AsyncDieselConnectionManager;
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url());
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(url);
     diesel_outbox::PgPool::builder()
         .max_size(size)
         .test_on_check_out(false)
