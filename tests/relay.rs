@@ -1542,20 +1542,25 @@ async fn a_hung_publish_costs_only_itself_and_the_relay_keeps_claiming() {
 /// A publisher future that panics fails its own record only ("publisher panicked").
 #[tokio::test]
 async fn a_panicking_publish_fails_only_its_own_record() {
+    let recorder = Recorder::default();
+    let publisher = recorder.failing(|record| {
+        assert!(record.key != "poison", "the publisher's own bug");
+        None
+    });
+    the_poison_row_alone_fails(publisher, &recorder, "publisher panicked").await;
+}
+
+/// Rows [a, poison, c] through `publisher`, which fails (or never answers for) the poison
+/// row: it alone fails, with `reason`, on each of its two attempts and ends dead, while a and
+/// c are sent once, on their first attempt.
+async fn the_poison_row_alone_fails<P: Publisher>(publisher: P, recorder: &Recorder, reason: &str) {
     let mut f = fixture().await;
-    for key in ["a", "boom", "c"] {
+    for key in ["a", "poison", "c"] {
         f.enqueue(Message::new("t", key).key(key)).await;
     }
-    let recorder = Recorder::default();
     let relay = f
         .outbox
-        .relay(
-            f.pool.clone(),
-            recorder.failing(|record| {
-                assert!(record.key != "boom", "the publisher's own bug");
-                None
-            }),
-        )
+        .relay(f.pool.clone(), publisher)
         .lease(Duration::from_secs(1))
         .drain_timeout(Duration::from_millis(500))
         .max_attempts(2)
@@ -1564,20 +1569,14 @@ async fn a_panicking_publish_fails_only_its_own_record() {
         .build()
         .unwrap();
     let (stop, task) = spawn_relay(relay);
-    f.wait_rows("idempotency_key = 'boom' AND status = 'dead'", 1)
+    f.wait_rows("idempotency_key = 'poison' AND status = 'dead'", 1)
         .await;
     stop_relay(stop, task).await;
-    let boom = f.row("boom").await;
-    assert_eq!(boom.attempts, 2);
-    assert!(
-        boom.last_error
-            .as_deref()
-            .unwrap_or_default()
-            .contains("panicked"),
-        "{:?}",
-        boom.last_error
-    );
-    sent_once_on_first_attempt(&mut f, &recorder, &["a", "c"]).await;
+    let poison = f.row("poison").await;
+    assert_eq!(poison.attempts, 2);
+    let error = poison.last_error.unwrap_or_default();
+    assert!(error.contains(reason), "{error}");
+    sent_once_on_first_attempt(&mut f, recorder, &["a", "c"]).await;
 }
 
 /// A pipelining publisher whose batch confirms every record but one, and then never ends:
@@ -1610,33 +1609,8 @@ async fn a_pipelined_batch_missing_one_result_records_the_others() {
             )
         }
     }
-    let mut f = fixture().await;
-    for key in ["a", "poison", "c"] {
-        f.enqueue(Message::new("t", key).key(key)).await;
-    }
     let recorder = Recorder::default();
-    let relay = f
-        .outbox
-        .relay(f.pool.clone(), MissingOne(recorder.clone()))
-        .lease(Duration::from_secs(1))
-        .drain_timeout(Duration::from_millis(500))
-        .max_attempts(2)
-        .backoff(Duration::from_millis(10), Duration::from_millis(20))
-        .poll_interval(Duration::from_millis(20))
-        .build()
-        .unwrap();
-    let (stop, task) = spawn_relay(relay);
-    f.wait_rows("idempotency_key = 'poison' AND status = 'dead'", 1)
-        .await;
-    stop_relay(stop, task).await;
-    assert!(
-        f.row("poison")
-            .await
-            .last_error
-            .unwrap_or_default()
-            .contains("timed out")
-    );
-    sent_once_on_first_attempt(&mut f, &recorder, &["a", "c"]).await;
+    the_poison_row_alone_fails(MissingOne(recorder.clone()), &recorder, "timed out").await;
 }
 
 /// Shutdown takes the drain timeout and about a second more, even when outcomes cannot be
