@@ -1,29 +1,138 @@
-//! Where rows are written: enqueue and dedupe on the caller's connection, and the
-//! extension traits for the default table.
+//! Enqueue: messages written on the caller's connection, inside its transaction, with
+//! their statements; and `EnqueueExt` for the default table.
 
 use std::collections::HashSet;
 
+use diesel::QueryableByName;
 use diesel::sql_types::{Array, BigInt, Bool, Bytea, Jsonb, Nullable, Text};
-use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::{Error, Result};
-use crate::message::{MAX_SHORT, Message};
+use crate::message::Message;
 use crate::outbox::Outbox;
-use crate::statement::Prepared;
+use crate::sql::{Bound, Notifying, Sql, TableName, statement};
+
+statement! {
+    /// One message: a plain INSERT, cheaper to plan and run than the arrays of
+    /// [`EnqueueMany`], and the common case.
+    pub(crate) struct EnqueueOne {
+        key: Text = String,
+        topic: Text = String,
+        aggregate_key: Nullable<Text> = Option<String>,
+        payload: Bytea = Vec<u8>,
+        content_type: Nullable<Text> = Option<String>,
+        headers: Jsonb = serde_json::Value,
+        delay_us: BigInt = i64,
+    }
+}
+
+statement! {
+    /// Several messages in one statement, as parallel arrays.
+    pub(crate) struct EnqueueMany {
+        keys: Array<Text> = Vec<String>,
+        topics: Array<Text> = Vec<String>,
+        aggregate_keys: Array<Nullable<Text>> = Vec<Option<String>>,
+        payloads: Array<Bytea> = Vec<Vec<u8>>,
+        content_types: Array<Nullable<Text>> = Vec<Option<String>>,
+        headers: Array<Jsonb> = Vec<serde_json::Value>,
+        delays_us: Array<BigInt> = Vec<i64>,
+    }
+}
+
+/// The enqueue statements of one table, each in a form that wakes an idle relay on commit.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    pub(crate) enqueue: Sql<EnqueueMany>,
+    pub(crate) enqueue_notify: Sql<Notifying<EnqueueMany>>,
+    pub(crate) enqueue_one: Sql<EnqueueOne>,
+    pub(crate) enqueue_one_notify: Sql<Notifying<EnqueueOne>>,
+}
+
+impl Statements {
+    pub(crate) fn render(table: &TableName) -> Self {
+        let t = table.quoted();
+        let enqueue_cte = format!(
+            "WITH m AS (\n\
+             \x20   SELECT * FROM unnest({keys}::text[], {topics}::text[], {aggs}::text[], \
+             {payloads}::bytea[], {cts}::text[], {headers}::jsonb[], {delays}::bigint[]) \
+             AS m(k, topic, agg, payload, ct, headers, delay_us)\n\
+             ), dup AS (\n\
+             \x20   SELECT idempotency_key AS k FROM {t} WHERE idempotency_key = ANY({keys}::text[])\n\
+             ), ins AS (\n\
+             \x20   INSERT INTO {t} (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)\n\
+             \x20   SELECT k, topic, agg, payload, ct, headers, now() + delay_us * interval '1 microsecond'\n\
+             \x20   FROM m WHERE NOT EXISTS (SELECT 1 FROM dup)\n\
+             \x20   ON CONFLICT (idempotency_key) DO NOTHING\n\
+             \x20   RETURNING idempotency_key AS k\n\
+             )",
+            keys = EnqueueMany::keys,
+            topics = EnqueueMany::topics,
+            aggs = EnqueueMany::aggregate_keys,
+            payloads = EnqueueMany::payloads,
+            cts = EnqueueMany::content_types,
+            headers = EnqueueMany::headers,
+            delays = EnqueueMany::delays_us,
+        );
+        let enqueue_tail = "SELECT k AS key, true AS inserted FROM ins \
+                            UNION ALL SELECT k AS key, false AS inserted FROM dup";
+        // pg_notify is queued in the transaction and delivered only on commit; identical
+        // notifications in one transaction collapse into one. A notifying commit takes a
+        // cluster-wide lock, so writers notify only while some relay is idle and listening:
+        // a busy relay finds new rows by itself. Whether a relay is idle is decided by the
+        // wake lock (see `relay::listener`): if the shared try fails, a relay holds it.
+        let no_watcher = format!(
+            "pg_try_advisory_xact_lock_shared({})",
+            table.wake_lock_key()
+        );
+        let enqueue_notify = format!(
+            "{enqueue_cte}, wake AS (\n\
+             \x20   SELECT pg_notify({channel}, '') FROM (SELECT 1 FROM ins LIMIT 1) AS any_ins\n\
+             \x20   WHERE NOT {no_watcher}\n\
+             )\n\
+             SELECT r.key, r.inserted FROM ({enqueue_tail}) AS r \
+             CROSS JOIN (SELECT count(*) FROM wake) AS w",
+            channel = Notifying::<EnqueueMany>::channel,
+        );
+        // A duplicate key returns no row.
+        let one_cte = format!(
+            "WITH ins AS (\n\
+             \x20   INSERT INTO {t} (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)\n\
+             \x20   VALUES ({key}, {topic}, {agg}, {payload}, {ct}, {headers}, now() + {delay} * interval '1 microsecond')\n\
+             \x20   ON CONFLICT (idempotency_key) DO NOTHING\n\
+             \x20   RETURNING idempotency_key AS k\n\
+             )",
+            key = EnqueueOne::key,
+            topic = EnqueueOne::topic,
+            agg = EnqueueOne::aggregate_key,
+            payload = EnqueueOne::payload,
+            ct = EnqueueOne::content_type,
+            headers = EnqueueOne::headers,
+            delay = EnqueueOne::delay_us,
+        );
+        let enqueue_one_notify = format!(
+            "{one_cte}, wake AS (\n\
+             \x20   SELECT pg_notify({channel}, '') FROM ins\n\
+             \x20   WHERE NOT {no_watcher}\n\
+             )\n\
+             SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake) AS w",
+            channel = Notifying::<EnqueueOne>::channel,
+        );
+        Statements {
+            enqueue: Sql::new(format!("{enqueue_cte}\n{enqueue_tail}")),
+            enqueue_notify: Sql::new(enqueue_notify),
+            enqueue_one: Sql::new(format!(
+                "{one_cte}\nSELECT k AS key, true AS inserted FROM ins"
+            )),
+            enqueue_one_notify: Sql::new(enqueue_one_notify),
+        }
+    }
+}
 
 #[derive(QueryableByName)]
 pub(crate) struct EnqueuedRow {
     #[diesel(sql_type = Text)]
     key: String,
     #[diesel(sql_type = Bool)]
-    inserted: bool,
-}
-
-#[derive(QueryableByName)]
-pub(crate) struct DedupeRow {
-    #[diesel(sql_type = Bool)]
-    #[allow(dead_code)] // read only to prove a row came back
     inserted: bool,
 }
 
@@ -124,38 +233,11 @@ impl Outbox {
         self.enqueue_outcome(rows, keys)
     }
 
-    /// Records that `consumer` has processed `key`, in the consumer's own transaction.
-    /// Returns `true` the first time, `false` for a duplicate delivery. A rollback removes
-    /// the record, so a failed attempt is processed again on redelivery.
-    ///
-    /// Run it in the same transaction as the message's effect, and acknowledge the broker
-    /// only after that transaction commits: that gives exactly-once effects on top of
-    /// at-least-once delivery. Records live in `<table>_inbox` until purged (see
-    /// [`Outbox::purge_inbox`]); a duplicate arriving after its record was purged is not
-    /// detected.
-    ///
-    /// # Errors
-    /// [`Error::InvalidMessage`] for an empty consumer or key, or one over 255 bytes.
-    pub async fn dedupe(
-        &self,
-        conn: &mut AsyncPgConnection,
-        consumer: &str,
-        key: &str,
-    ) -> Result<bool> {
-        let query = self.dedupe_query(consumer, key)?;
-        let row = query
-            .get_result::<DedupeRow>(conn)
-            .await
-            .optional()
-            .map_err(|e| self.dedupe_error(e))?;
-        Ok(row.is_some())
-    }
-
     /// Validates and binds an enqueue; `None` for an empty batch.
     pub(crate) fn enqueue_query(
         &self,
         msgs: Vec<Message>,
-    ) -> Result<Option<(Prepared<'_>, Vec<String>)>> {
+    ) -> Result<Option<(Bound<'_>, Vec<String>)>> {
         if msgs.is_empty() {
             return Ok(None);
         }
@@ -197,42 +279,43 @@ impl Outbox {
             ));
             delays.push(delay);
         }
-        let sql = self.statements();
-        let notify = self.inner.notify;
-        let mut query = if n == 1 {
-            let statement = if notify {
-                &sql.enqueue_one_notify
-            } else {
-                &sql.enqueue_one
+        let sql = &self.statements().enqueue;
+        let channel = self.inner.notify.then(|| self.channel());
+        let query = if n == 1 {
+            let one = EnqueueOne {
+                key: keys[0].clone(),
+                topic: topics.swap_remove(0),
+                aggregate_key: aggs.swap_remove(0),
+                payload: payloads.swap_remove(0),
+                content_type: cts.swap_remove(0),
+                headers: headers.swap_remove(0),
+                delay_us: delays[0],
             };
-            statement
-                .query()
-                .bind::<Text, _>(keys[0].clone())
-                .bind::<Text, _>(topics.swap_remove(0))
-                .bind::<Nullable<Text>, _>(aggs.swap_remove(0))
-                .bind::<Bytea, _>(payloads.swap_remove(0))
-                .bind::<Nullable<Text>, _>(cts.swap_remove(0))
-                .bind::<Jsonb, _>(headers.swap_remove(0))
-                .bind::<BigInt, _>(delays[0])
+            match channel {
+                Some(channel) => sql.enqueue_one_notify.bind(Notifying {
+                    params: one,
+                    channel,
+                }),
+                None => sql.enqueue_one.bind(one),
+            }
         } else {
-            let statement = if notify {
-                &sql.enqueue_notify
-            } else {
-                &sql.enqueue
+            let many = EnqueueMany {
+                keys: keys.clone(),
+                topics,
+                aggregate_keys: aggs,
+                payloads,
+                content_types: cts,
+                headers,
+                delays_us: delays,
             };
-            statement
-                .query()
-                .bind::<Array<Text>, _>(keys.clone())
-                .bind::<Array<Text>, _>(topics)
-                .bind::<Array<Nullable<Text>>, _>(aggs)
-                .bind::<Array<Bytea>, _>(payloads)
-                .bind::<Array<Nullable<Text>>, _>(cts)
-                .bind::<Array<Jsonb>, _>(headers)
-                .bind::<Array<BigInt>, _>(delays)
+            match channel {
+                Some(channel) => sql.enqueue_notify.bind(Notifying {
+                    params: many,
+                    channel,
+                }),
+                None => sql.enqueue.bind(many),
+            }
         };
-        if notify {
-            query = query.bind::<Text, _>(self.channel());
-        }
         Ok(Some((query, keys)))
     }
 
@@ -270,39 +353,6 @@ impl Outbox {
         Ok(keys)
     }
 
-    pub(crate) fn dedupe_query(&self, consumer: &str, key: &str) -> Result<Prepared<'_>> {
-        for (what, value) in [("consumer", consumer), ("idempotency key", key)] {
-            if value.is_empty() {
-                return Err(Error::invalid(format!("dedupe: {what} is empty")));
-            }
-            if value.len() > MAX_SHORT {
-                return Err(Error::invalid(format!(
-                    "dedupe: {what} is {} bytes, the limit is {MAX_SHORT}",
-                    value.len()
-                )));
-            }
-            if value.contains('\0') {
-                return Err(Error::invalid(format!(
-                    "dedupe: {what} contains a NUL byte"
-                )));
-            }
-        }
-        Ok(self
-            .statements()
-            .dedupe
-            .query()
-            .bind::<Text, _>(consumer.to_owned())
-            .bind::<Text, _>(key.to_owned()))
-    }
-
-    pub(crate) fn db_error(&self, err: diesel::result::Error) -> Error {
-        Error::from_db(
-            err,
-            self.table(),
-            "the grants the crate docs list under \"Privileges\"",
-        )
-    }
-
     /// A failed enqueue's error, naming what a writer role needs.
     pub(crate) fn enqueue_error(&self, err: diesel::result::Error) -> Error {
         Error::from_db(
@@ -312,15 +362,6 @@ impl Outbox {
                 "INSERT on {t}, and SELECT (idempotency_key) on {t}",
                 t = self.table()
             ),
-        )
-    }
-
-    /// A failed dedupe's error, naming what a consumer role needs.
-    pub(crate) fn dedupe_error(&self, err: diesel::result::Error) -> Error {
-        Error::from_db(
-            err,
-            self.table(),
-            &format!("INSERT on {}_inbox", self.table()),
         )
     }
 }
@@ -358,17 +399,5 @@ impl EnqueueExt for AsyncPgConnection {
 
     async fn enqueue_many(&mut self, msgs: Vec<Message>) -> Result<Vec<String>> {
         Outbox::new().enqueue_many(self, msgs).await
-    }
-}
-
-/// `conn.dedupe(consumer, key)` for the default table's inbox on an async connection.
-pub trait DedupeExt {
-    /// [`Outbox::dedupe`] on the default table.
-    fn dedupe(&mut self, consumer: &str, key: &str) -> impl Future<Output = Result<bool>> + Send;
-}
-
-impl DedupeExt for AsyncPgConnection {
-    async fn dedupe(&mut self, consumer: &str, key: &str) -> Result<bool> {
-        Outbox::new().dedupe(self, consumer, key).await
     }
 }

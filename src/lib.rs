@@ -169,12 +169,12 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 
-mod admin;
 mod enqueue;
 mod error;
+mod inbox;
 mod message;
 mod metrics;
-mod migrate;
+mod ops;
 mod outbox;
 mod publisher;
 #[cfg(feature = "rabbitmq")]
@@ -182,20 +182,19 @@ pub mod rabbitmq;
 mod relay;
 pub mod schema;
 mod sql;
-mod statement;
 #[cfg(feature = "sync")]
 pub mod sync;
-mod table;
 
-pub use crate::admin::{DeadLetter, Stats};
-pub use crate::enqueue::{DedupeExt, EnqueueExt};
+pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
+pub use crate::inbox::DedupeExt;
 pub use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Message};
 pub use crate::metrics::{Metrics, NoMetrics};
-pub use crate::migrate::{MIGRATIONS, OutboxMigrations};
+pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_TABLE, Outbox, OutboxBuilder};
 pub use crate::publisher::{
     BatchResults, FnPublisher, PublishError, Publisher, Record, publisher_fn,
 };
 pub use crate::relay::{PgPool, Relay, RelayBuilder};
+pub use crate::schema::harness::{MIGRATIONS, OutboxMigrations};
 pub use crate::sql::WAKE_LOCK_CLASS;

@@ -3,10 +3,9 @@
 use std::fmt;
 use std::sync::{Arc, LazyLock};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Limits};
-use crate::sql::Statements;
-use crate::table::TableName;
+use crate::sql::{Statements, TableName};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "outbox";
@@ -102,6 +101,15 @@ impl Outbox {
 
     pub(crate) fn statements(&self) -> &Statements {
         &self.inner.sql
+    }
+
+    /// A failed operation's error; a missing grant names the crate docs' list.
+    pub(crate) fn db_error(&self, err: diesel::result::Error) -> Error {
+        Error::from_db(
+            err,
+            self.table(),
+            "the grants the crate docs list under \"Privileges\"",
+        )
     }
 }
 

@@ -41,6 +41,12 @@
 //! # let _ = waiting; Ok(()) }
 //! ```
 
+// What creates these tables, all private: the DDL of each schema version, the migration
+// runner, and the same schema as diesel migrations.
+pub(crate) mod ddl;
+pub(crate) mod harness;
+mod migrate;
+
 diesel::table! {
     /// The outbox: one row per message.
     outbox (id) {

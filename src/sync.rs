@@ -1,7 +1,9 @@
 //! The synchronous flavour, on `diesel::PgConnection` (feature `sync`, links libpq).
 //!
-//! The same operations as the async API, with the same guarantees: rows are written on
-//! your connection, inside your transaction.
+//! The same operations as the async API, with the same names and guarantees (rows are
+//! written on your connection, inside your transaction); the flavour is chosen by what you
+//! import, as with `diesel::RunQueryDsl` and `diesel_async::RunQueryDsl`. For the default
+//! table, the extension traits:
 //!
 //! ```no_run
 //! use diesel::{Connection, PgConnection};
@@ -16,91 +18,133 @@
 //! })?;
 //! # Ok(()) }
 //! ```
+//!
+//! For a configured table, [`Outbox`] of this module, made from the crate's
+//! [`Outbox`](crate::Outbox):
+//!
+//! ```no_run
+//! use diesel::{Connection, PgConnection};
+//! use diesel_outbox::Message;
+//! use diesel_outbox::sync::Outbox;
+//!
+//! # fn run(conn: &mut PgConnection) -> Result<(), diesel_outbox::Error> {
+//! let outbox = Outbox::from(diesel_outbox::Outbox::builder().table("orders_outbox").build()?);
+//! conn.transaction(|c| {
+//!     outbox.enqueue(c, Message::new("order.created", r#"{"id":42}"#))?;
+//!     Ok::<_, diesel_outbox::Error>(())
+//! })?;
+//! # Ok(()) }
+//! ```
 
 use diesel::{OptionalExtension, PgConnection, RunQueryDsl};
 
-use crate::enqueue::{DedupeRow, EnqueuedRow};
+use crate::enqueue::EnqueuedRow;
 use crate::error::Result;
+use crate::inbox::DedupeRow;
 use crate::message::Message;
-use crate::outbox::Outbox;
+
+/// An outbox configuration whose writes run on a synchronous `PgConnection`: the crate's
+/// [`Outbox`](crate::Outbox), wrapped. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Outbox(crate::Outbox);
+
+impl From<crate::Outbox> for Outbox {
+    fn from(outbox: crate::Outbox) -> Self {
+        Outbox(outbox)
+    }
+}
+
+impl AsRef<crate::Outbox> for Outbox {
+    fn as_ref(&self) -> &crate::Outbox {
+        &self.0
+    }
+}
 
 impl Outbox {
-    /// [`Outbox::enqueue`] on a synchronous connection.
+    /// The default table `outbox`, as [`crate::Outbox::new`].
+    pub fn new() -> Self {
+        Outbox(crate::Outbox::new())
+    }
+
+    /// The table's name, as configured.
+    pub fn table(&self) -> &str {
+        self.0.table()
+    }
+
+    /// [`crate::Outbox::enqueue`] on a synchronous connection.
     ///
     /// # Errors
-    /// As [`Outbox::enqueue`].
-    pub fn enqueue_sync(&self, conn: &mut PgConnection, msg: Message) -> Result<String> {
-        let mut keys = self.enqueue_many_sync(conn, vec![msg])?;
+    /// As [`crate::Outbox::enqueue`].
+    pub fn enqueue(&self, conn: &mut PgConnection, msg: Message) -> Result<String> {
+        let mut keys = self.enqueue_many(conn, vec![msg])?;
         Ok(keys.pop().expect("one message gives one key"))
     }
 
-    /// [`Outbox::enqueue_many`] on a synchronous connection.
+    /// [`crate::Outbox::enqueue_many`] on a synchronous connection.
     ///
     /// # Errors
-    /// As [`Outbox::enqueue_many`].
-    pub fn enqueue_many_sync(
-        &self,
-        conn: &mut PgConnection,
-        msgs: Vec<Message>,
-    ) -> Result<Vec<String>> {
-        let Some((query, keys)) = self.enqueue_query(msgs)? else {
+    /// As [`crate::Outbox::enqueue_many`].
+    pub fn enqueue_many(&self, conn: &mut PgConnection, msgs: Vec<Message>) -> Result<Vec<String>> {
+        let outbox = &self.0;
+        let Some((query, keys)) = outbox.enqueue_query(msgs)? else {
             return Ok(Vec::new());
         };
         let rows = query
             .load::<EnqueuedRow>(conn)
-            .map_err(|e| self.enqueue_error(e))?;
-        self.enqueue_outcome(rows, keys)
+            .map_err(|e| outbox.enqueue_error(e))?;
+        outbox.enqueue_outcome(rows, keys)
     }
 
-    /// [`Outbox::dedupe`] on a synchronous connection.
+    /// [`crate::Outbox::dedupe`] on a synchronous connection.
     ///
     /// # Errors
-    /// As [`Outbox::dedupe`].
-    pub fn dedupe_sync(&self, conn: &mut PgConnection, consumer: &str, key: &str) -> Result<bool> {
-        let row = self
+    /// As [`crate::Outbox::dedupe`].
+    pub fn dedupe(&self, conn: &mut PgConnection, consumer: &str, key: &str) -> Result<bool> {
+        let outbox = &self.0;
+        let row = outbox
             .dedupe_query(consumer, key)?
             .get_result::<DedupeRow>(conn)
             .optional()
-            .map_err(|e| self.dedupe_error(e))?;
+            .map_err(|e| outbox.dedupe_error(e))?;
         Ok(row.is_some())
     }
 }
 
 /// `conn.enqueue(msg)` for the default table on a synchronous connection.
 pub trait EnqueueExt {
-    /// [`Outbox::enqueue_sync`] on the default table.
+    /// [`Outbox::enqueue`] on the default table.
     ///
     /// # Errors
-    /// As [`Outbox::enqueue`].
+    /// As [`crate::Outbox::enqueue`].
     fn enqueue(&mut self, msg: Message) -> Result<String>;
-    /// [`Outbox::enqueue_many_sync`] on the default table.
+    /// [`Outbox::enqueue_many`] on the default table.
     ///
     /// # Errors
-    /// As [`Outbox::enqueue_many`].
+    /// As [`crate::Outbox::enqueue_many`].
     fn enqueue_many(&mut self, msgs: Vec<Message>) -> Result<Vec<String>>;
 }
 
 impl EnqueueExt for PgConnection {
     fn enqueue(&mut self, msg: Message) -> Result<String> {
-        Outbox::new().enqueue_sync(self, msg)
+        Outbox::new().enqueue(self, msg)
     }
 
     fn enqueue_many(&mut self, msgs: Vec<Message>) -> Result<Vec<String>> {
-        Outbox::new().enqueue_many_sync(self, msgs)
+        Outbox::new().enqueue_many(self, msgs)
     }
 }
 
 /// `conn.dedupe(consumer, key)` for the default table's inbox on a synchronous connection.
 pub trait DedupeExt {
-    /// [`Outbox::dedupe_sync`] on the default table.
+    /// [`Outbox::dedupe`] on the default table.
     ///
     /// # Errors
-    /// As [`Outbox::dedupe`].
+    /// As [`crate::Outbox::dedupe`].
     fn dedupe(&mut self, consumer: &str, key: &str) -> Result<bool>;
 }
 
 impl DedupeExt for PgConnection {
     fn dedupe(&mut self, consumer: &str, key: &str) -> Result<bool> {
-        Outbox::new().dedupe_sync(self, consumer, key)
+        Outbox::new().dedupe(self, consumer, key)
     }
 }

@@ -617,6 +617,63 @@ mod sync_flavour {
         });
         assert_eq!(keys, vec![key]);
     }
+
+    #[test]
+    fn the_sync_outbox_writes_a_configured_table_inside_the_transaction() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let schema = rt.block_on(TestSchema::new());
+        let table = schema.table("orders_outbox");
+        let configured = Outbox::builder().table(&table).build().unwrap();
+        rt.block_on(async {
+            let mut conn = common::connect().await;
+            configured.migrate(&mut conn).await.unwrap();
+        });
+        let outbox = diesel_outbox::sync::Outbox::from(configured);
+        assert_eq!(outbox.table(), table);
+
+        let mut conn = PgConnection::establish(&common::database_url()).unwrap();
+        let keys = conn
+            .transaction(|c| {
+                let one = outbox.enqueue(c, Message::new("sync.topic", "one"))?;
+                let more = outbox.enqueue_many(
+                    c,
+                    vec![
+                        Message::new("sync.topic", "two"),
+                        Message::new("t", "three"),
+                    ],
+                )?;
+                let err = outbox
+                    .enqueue(c, Message::new("t", "again").key(one.clone()))
+                    .unwrap_err();
+                assert!(err.is_duplicate_key(), "{err}");
+                assert!(outbox.dedupe(c, "sync-consumer", &one)?);
+                assert!(!outbox.dedupe(c, "sync-consumer", &one)?);
+                Ok::<_, Error>([vec![one], more].concat())
+            })
+            .unwrap();
+        let rolled_back: Result<(), Error> = conn.transaction(|c| {
+            outbox.enqueue(c, Message::new("t", "x").key("sync-ghost"))?;
+            Err(Error::InvalidMessage("rollback".into()))
+        });
+        assert!(rolled_back.is_err());
+
+        let (stored, seen_again) = rt.block_on(async {
+            let mut conn = schema.connect().await;
+            let stored: Vec<String> = rows(&mut conn, "orders_outbox")
+                .await
+                .into_iter()
+                .map(|r| r.idempotency_key)
+                .collect();
+            let first_time = outbox
+                .as_ref()
+                .dedupe(&mut conn, "sync-consumer", &keys[0])
+                .await
+                .unwrap();
+            (stored, !first_time)
+        });
+        assert_eq!(stored, keys);
+        assert!(seen_again, "the sync dedupe committed its record");
+    }
 }
 
 #[tokio::test]

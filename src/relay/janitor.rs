@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
+use crate::ops::Purge;
 use crate::outbox::Outbox;
-use crate::statement::Statement;
+use crate::sql::Sql;
 
 use super::PgPool;
 
@@ -24,12 +25,12 @@ pub(crate) async fn run(
         (
             "sent rows",
             retention,
-            outbox.statements().purge_sent.clone(),
+            outbox.statements().ops.purge_sent.clone(),
         ),
         (
             "inbox records",
             inbox_retention,
-            outbox.statements().purge_inbox.clone(),
+            outbox.statements().ops.purge_inbox.clone(),
         ),
     ];
     loop {
@@ -50,10 +51,10 @@ pub(crate) async fn run(
 async fn purge(
     outbox: &Outbox,
     pool: &PgPool,
-    sql: &Statement,
+    sql: &Sql<Purge>,
     age: Duration,
 ) -> crate::Result<u64> {
-    let age = crate::admin::purge_age(age)?;
+    let age = crate::ops::purge_age(age)?;
     let mut total = 0;
     loop {
         // A fresh checkout per batch: the janitor never keeps a connection from the relay.

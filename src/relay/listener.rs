@@ -30,7 +30,7 @@ use futures_util::StreamExt;
 use tokio::sync::{Notify, watch};
 
 use super::PgPool;
-use crate::statement::Statement;
+use crate::sql::{NoParams, Sql, TableName, WAKE_LOCK_CLASS};
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(30);
@@ -128,18 +128,40 @@ impl Wake {
     }
 }
 
-/// The SQL the listener runs besides LISTEN.
+/// The listener's statements for one table.
 #[derive(Debug, Clone)]
-pub(crate) struct Sql {
+pub(crate) struct Statements {
     pub(crate) listen: String,
-    pub(crate) watch: Statement,
-    pub(crate) unwatch: Statement,
+    pub(crate) watch: Sql<NoParams>,
+    pub(crate) unwatch: Sql<NoParams>,
+}
+
+impl Statements {
+    pub(crate) fn render(table: &TableName) -> Self {
+        let wake_key = table.wake_lock_key();
+        Statements {
+            listen: format!("LISTEN \"{}\"", table.channel()),
+            // Try to become the watcher, and if that fails, tell whether another relay is
+            // (then writers notify) or writers hold it (then their commits must be looked
+            // for).
+            watch: Sql::new(format!(
+                "SELECT pg_try_advisory_lock({wake_key}) AS got, EXISTS (\n\
+                 \x20   SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2\n\
+                 \x20   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())\n\
+                 \x20   AND classid = {WAKE_LOCK_CLASS}::oid AND objid = {key}::oid\n\
+                 \x20   AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid()\n\
+                 ) AS watched",
+                key = table.wake_lock_oid(),
+            )),
+            unwatch: Sql::new(format!("SELECT pg_advisory_unlock({wake_key}) AS released")),
+        }
+    }
 }
 
 /// Holds a LISTEN forever: on each notification wakes the relay; on loss reconnects with
 /// capped exponential backoff, reset after every successful LISTEN. Each (re)connect wakes
 /// the relay once, to catch up on notifications sent while nobody listened.
-pub(crate) async fn run(pool: PgPool, sql: Sql, table: String, wake: Arc<Wake>) {
+pub(crate) async fn run(pool: PgPool, sql: Statements, table: String, wake: Arc<Wake>) {
     let mut delay = RECONNECT_MIN;
     loop {
         let failure = match pool.dedicated_connection().await {
@@ -187,7 +209,7 @@ struct Released {
 
 /// Forwards notifications and keeps the wake lock as the relay wants, until the connection
 /// fails; returns why.
-async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
+async fn hold(conn: &mut AsyncPgConnection, sql: &Statements, wake: &Wake) -> String {
     // Here only: its `load` would shadow the atomics' own.
     use diesel_async::RunQueryDsl;
     let mut want_idle = wake.want_idle.subscribe();
@@ -201,7 +223,7 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
             // is covered by another relay's wake lock.
             let tried = answered(
                 "taking the wake lock",
-                sql.watch.query().get_result::<Tried>(conn),
+                sql.watch.bind(NoParams {}).get_result::<Tried>(conn),
             );
             match tried.await {
                 Ok(tried) if tried.got => {
@@ -221,7 +243,7 @@ async fn hold(conn: &mut AsyncPgConnection, sql: &Sql, wake: &Wake) -> String {
         } else if !want && holding {
             let released = answered(
                 "releasing the wake lock",
-                sql.unwatch.query().get_result::<Released>(conn),
+                sql.unwatch.bind(NoParams {}).get_result::<Released>(conn),
             );
             if let Err(why) = released.await {
                 return why;

@@ -1,11 +1,12 @@
 //! The relay loop: claim a batch, publish it outside any transaction, record the outcomes.
 
 mod janitor;
-mod listener;
+pub(crate) mod listener;
 mod options;
 mod outage;
+pub(crate) mod presence;
 mod publish;
-mod store;
+pub(crate) mod store;
 
 use std::future::Future;
 use std::pin::pin;
@@ -27,6 +28,7 @@ use crate::publisher::Publisher;
 use self::listener::{WATCH_RETRY, Wake, Watch};
 use self::options::Options;
 use self::outage::Outage;
+use self::presence::IDLE_REFRESH;
 use self::publish::Slot;
 use self::store::{Batch, Outcome};
 
@@ -261,10 +263,6 @@ const BUSY_POLL_MAX: Duration = Duration::from_millis(160);
 const LINGER: Duration = Duration::from_millis(50);
 /// How often it looks while lingering.
 const LINGER_POLL: Duration = Duration::from_millis(1);
-/// An idle (or blocked) relay renews its record in `<table>_relays` this often...
-const IDLE_REFRESH: Duration = Duration::from_secs(10);
-/// ...and the record lapses after this long, so a crashed relay drops out of `stats`.
-const IDLE_TTL: Duration = Duration::from_secs(35);
 
 /// Completes once `stop` turns true (or its sender is gone).
 pub(crate) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
@@ -346,14 +344,9 @@ impl<P: Publisher> Relay<P> {
         };
         tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
         let listener = inner.options.listen.then(|| {
-            let sql = inner.outbox.statements();
             AbortOnDrop::new(tokio::spawn(listener::run(
                 inner.pool.clone(),
-                listener::Sql {
-                    listen: sql.listen.clone(),
-                    watch: sql.watch.clone(),
-                    unwatch: sql.unwatch.clone(),
-                },
+                inner.outbox.statements().listener.clone(),
                 table.clone(),
                 run.wake.clone(),
             )))
@@ -655,56 +648,6 @@ impl<P: Publisher> Relay<P> {
     fn finished(&self, done: std::result::Result<(), tokio::task::JoinError>) {
         if let Err(e) = done {
             tracing::error!(table = %self.inner.outbox.table(), error = %e, "publishing a batch panicked");
-        }
-    }
-
-    /// Records in `<table>_relays` whether this run is idle (for operators: writers go by the
-    /// wake lock). Returns whether that worked.
-    async fn mark_idle(&self, run: &Run, idle: bool) -> bool {
-        let blocked = self.inner.outage.since().map(|since| since.elapsed());
-        self.write_state(run, idle, blocked).await
-    }
-
-    /// Keeps this run's outage in `<table>_relays` current: when it begins or ends, and
-    /// every [`IDLE_REFRESH`] while it lasts (so its record does not lapse).
-    async fn sync_blocked(&self, run: &Run, written: &mut (Option<Instant>, Instant)) {
-        let since = self.inner.outage.since();
-        let due = since.is_some() && written.1.elapsed() >= IDLE_REFRESH;
-        if since != written.0 || due {
-            let blocked = since.map(|s| s.elapsed());
-            // Tried, whether or not it worked: a failing write is tried again a refresh later,
-            // not on every turn of the loop.
-            self.write_state(run, false, blocked).await;
-            *written = (since, Instant::now());
-        }
-    }
-
-    async fn write_state(&self, run: &Run, idle: bool, blocked: Option<Duration>) -> bool {
-        let inner = &self.inner;
-        let writing = async {
-            let mut conn = inner.pool.get().await?;
-            inner
-                .outbox
-                .set_relay_state(&mut conn, &run.id, idle, IDLE_TTL, blocked)
-                .await
-        };
-        let result = or_stop(&run.stop, writing).await.unwrap_or(Ok(()));
-        if let Err(e) = &result {
-            tracing::debug!(table = %inner.outbox.table(), error = %e, idle, "recording relay state failed");
-        }
-        result.is_ok()
-    }
-
-    /// Removes this run's record in `<table>_relays` (and any expired ones).
-    async fn forget(&self, run: &Run) {
-        let inner = &self.inner;
-        let result = async {
-            let mut conn = inner.pool.get().await?;
-            inner.outbox.remove_relay(&mut conn, &run.id).await
-        }
-        .await;
-        if let Err(e) = result {
-            tracing::debug!(table = %inner.outbox.table(), error = %e, "removing relay state failed");
         }
     }
 

@@ -15,14 +15,211 @@ use super::options::Options;
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Record;
-use crate::sql::{OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT};
-use crate::statement::Prepared;
+use crate::sql::{Bound, NoParams, Sql, TableName, micros, statement};
 
 /// The longest run of one aggregate's messages a claim takes behind its head.
 pub(crate) const MAX_RUN: usize = 1_000;
 
 /// `last_error` is cut to at most this many bytes.
 pub(crate) const MAX_ERROR_BYTES: usize = 2_000;
+
+statement! {
+    /// Claims a batch: see [`Statements::render`] for how.
+    pub(crate) struct Claim {
+        batch_size: BigInt = i64,
+        lease_us: BigInt = i64,
+        max_attempts: Integer = i32,
+        /// The longest run taken behind one head.
+        max_run: BigInt = i64,
+        /// The batch's byte budget (payloads and headers).
+        max_bytes: BigInt = i64,
+    }
+}
+
+statement! {
+    /// Records a batch's outcomes, as parallel arrays.
+    pub(crate) struct RecordOutcomes {
+        ids: Array<BigInt> = Vec<i64>,
+        tokens: Array<BigInt> = Vec<i64>,
+        kinds: Array<Text> = Vec<&'static str>,
+        delays_us: Array<BigInt> = Vec<i64>,
+        errors: Array<Nullable<Text>> = Vec<Option<String>>,
+        attempts: Array<Integer> = Vec<i32>,
+    }
+}
+
+/// Outcome kinds bound into [`RecordOutcomes::kinds`].
+const OUTCOME_SENT: &str = "sent";
+const OUTCOME_RETRY: &str = "retry";
+const OUTCOME_DEAD: &str = "dead";
+const OUTCOME_RELEASE: &str = "release";
+
+/// A claim reads at least this many successors of an aggregate head, to see whether another
+/// relay holds leases further down that aggregate.
+const CHECK_WINDOW: usize = 8;
+
+/// The claim's statements for one table.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    pub(crate) claim: Sql<Claim>,
+    pub(crate) due: Sql<NoParams>,
+    pub(crate) record_outcomes: Sql<RecordOutcomes>,
+}
+
+impl Statements {
+    pub(crate) fn render(table: &TableName) -> Self {
+        let t = table.quoted();
+        Statements {
+            // Heads are pending rows with no older pending row in their aggregate. Behind
+            // each aggregate head on its first attempt the claim also takes the run of its
+            // due successors; the relay publishes such a run one message at a time. The
+            // batch's room after the heads is shared out equally among the heads that may
+            // take a run, so the rows read stay proportional to the batch, not to the
+            // backlog of each aggregate.
+            //
+            // Another relay may hold (or be taking) leases on later rows of a head's
+            // aggregate: after a redrive or a late commit put a row in front of rows already
+            // in flight. So each head's next successors (its run, and at least 8) are read,
+            // the run's members locked with SKIP LOCKED and checked again, and a head whose
+            // window shows a live lease or a row someone else has locked is left alone. So
+            // two relays never hold leases on rows of one aggregate, short of more than 7
+            // rows redriven (or committed late) at once in front of rows in flight. A run is
+            // cut at its first member that is not available.
+            //
+            // Heads are charged an attempt; run members are charged when published (their
+            // outcome says so), so a crash mid-run costs only the head, and the head's next
+            // claim comes without a run. A head claimed again after it has used up its
+            // attempts without an outcome (a crash loop) goes dead here. Rows are cut, in id
+            // order, at the byte budget (always at least one row); each run keeps a prefix.
+            //
+            // Nothing in a row's content can make this statement fail: counters saturate,
+            // headers come back as text and the enqueue time only when chrono can hold it,
+            // so an undecodable row dies alone in the relay (see `decode`).
+            claim: Sql::new(format!(
+                "WITH heads AS MATERIALIZED (\n\
+                 \x20   SELECT id, aggregate_key, attempts, {bytes} AS bytes FROM {t} o\n\
+                 \x20   WHERE status = 'pending' AND available_at <= now()\n\
+                 \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
+                 \x20     AND (aggregate_key IS NULL OR NOT EXISTS (\n\
+                 \x20         SELECT 1 FROM {t} p WHERE p.status = 'pending'\n\
+                 \x20         AND p.aggregate_key = o.aggregate_key AND p.id < o.id))\n\
+                 \x20   ORDER BY id LIMIT {batch_size}\n\
+                 \x20   FOR UPDATE SKIP LOCKED\n\
+                 ), share AS MATERIALIZED (\n\
+                 \x20   SELECT least({max_run}, ({batch_size} - count(*)) / greatest(count(*) FILTER \
+                 (WHERE aggregate_key IS NOT NULL AND attempts = 0), 1)) AS per_run FROM heads\n\
+                 ), succ AS MATERIALIZED (\n\
+                 \x20   SELECT h.id AS head, n.id, n.pos, n.ready, n.leased, n.bytes,\n\
+                 \x20          h.attempts = 0 AND n.pos <= (SELECT per_run FROM share) AS in_run\n\
+                 \x20   FROM heads h CROSS JOIN LATERAL (\n\
+                 \x20       SELECT s.id, row_number() OVER (ORDER BY s.id) AS pos,\n\
+                 \x20              s.available_at <= now() \
+                 AND (s.lease_until IS NULL OR s.lease_until <= now()) AS ready,\n\
+                 \x20              coalesce(s.lease_until > now(), false) AS leased,\n\
+                 \x20              {s_bytes} AS bytes\n\
+                 \x20       FROM {t} s WHERE s.status = 'pending'\n\
+                 \x20       AND s.aggregate_key = h.aggregate_key AND s.id > h.id\n\
+                 \x20       ORDER BY s.id LIMIT greatest((SELECT per_run FROM share), {CHECK_WINDOW} - 1) + 1\n\
+                 \x20   ) AS n\n\
+                 \x20   WHERE h.aggregate_key IS NOT NULL\n\
+                 ), locked AS MATERIALIZED (\n\
+                 \x20   SELECT id FROM {t}\n\
+                 \x20   WHERE id = ANY (ARRAY(SELECT id FROM succ WHERE in_run AND ready))\n\
+                 \x20     AND status = 'pending' AND available_at <= now()\n\
+                 \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
+                 \x20   FOR UPDATE SKIP LOCKED\n\
+                 ), cut AS MATERIALIZED (\n\
+                 \x20   SELECT s.head,\n\
+                 \x20          min(s.pos) FILTER (WHERE NOT (s.in_run AND s.ready AND l.id IS NOT NULL)) AS stop,\n\
+                 \x20          bool_or(s.leased OR (s.in_run AND s.ready AND l.id IS NULL)) AS held\n\
+                 \x20   FROM succ s LEFT JOIN locked l ON l.id = s.id\n\
+                 \x20   GROUP BY s.head\n\
+                 ), chosen AS (\n\
+                 \x20   SELECT h.id, true AS head, h.bytes FROM heads h LEFT JOIN cut c ON c.head = h.id\n\
+                 \x20   WHERE c.held IS NOT TRUE\n\
+                 \x20   UNION ALL\n\
+                 \x20   SELECT s.id, false, s.bytes FROM succ s JOIN cut c ON c.head = s.head\n\
+                 \x20   WHERE NOT c.held AND s.in_run AND (c.stop IS NULL OR s.pos < c.stop)\n\
+                 ), due AS MATERIALIZED (\n\
+                 \x20   SELECT array_agg(id) AS ids, \
+                 coalesce(array_agg(id) FILTER (WHERE NOT head), '{{}}') AS runs FROM (\n\
+                 \x20       SELECT id, head, sum(bytes) OVER (ORDER BY id) AS total, \
+                 row_number() OVER (ORDER BY id) AS n FROM chosen\n\
+                 \x20   ) AS b WHERE n = 1 OR total <= {max_bytes}\n\
+                 )\n\
+                 UPDATE {t} t SET\n\
+                 \x20   attempts = CASE WHEN {run_member} THEN t.attempts ELSE {next_attempt} END,\n\
+                 \x20   fencing_token = least(t.fencing_token, 9223372036854775806) + 1,\n\
+                 \x20   lease_until = CASE WHEN {crash_loop} THEN NULL \
+                 ELSE now() + {lease_us} * interval '1 microsecond' END,\n\
+                 \x20   status = CASE WHEN {crash_loop} THEN 'dead' ELSE 'pending' END,\n\
+                 \x20   dead_at = CASE WHEN {crash_loop} THEN now() END,\n\
+                 \x20   last_error = CASE WHEN {crash_loop} \
+                 THEN 'claimed ' || ({next_attempt}) || ' times without an outcome \
+                 (relay crashed or lease expired); max_attempts is ' || {max_attempts} \
+                 ELSE t.last_error END\n\
+                 WHERE t.id = ANY((SELECT ids FROM due)::bigint[]) AND t.status = 'pending'\n\
+                 RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, \
+                 t.content_type, t.headers::text AS headers, t.attempts, t.fencing_token, \
+                 CASE WHEN t.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' \
+                 THEN t.created_at END AS created_at, t.status, NOT {run_member} AS head",
+                bytes = "octet_length(payload) + octet_length(headers::text)",
+                s_bytes = "octet_length(s.payload) + octet_length(s.headers::text)",
+                run_member = "t.id = ANY((SELECT runs FROM due)::bigint[])",
+                next_attempt = "least(t.attempts, 2147483646) + 1",
+                crash_loop = format_args!(
+                    "t.attempts >= {} AND NOT t.id = ANY((SELECT runs FROM due)::bigint[])",
+                    Claim::max_attempts
+                ),
+                batch_size = Claim::batch_size,
+                lease_us = Claim::lease_us,
+                max_attempts = Claim::max_attempts,
+                max_run = Claim::max_run,
+                max_bytes = Claim::max_bytes,
+            )),
+            // A cheap look for work, used while lingering between claims. As the first due
+            // row in id order (not `EXISTS`, whose ORDER BY the planner drops), so the only
+            // sensible plan walks the pending index and stops at the first match, whatever
+            // the statistics say: a sequential scan would read the table's whole history.
+            due: Sql::new(format!(
+                "SELECT (SELECT o.id FROM {t} o WHERE o.status = 'pending' \
+                 AND o.available_at <= now() AND (o.lease_until IS NULL OR o.lease_until <= now()) \
+                 AND (o.aggregate_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} p \
+                 WHERE p.status = 'pending' AND p.aggregate_key = o.aggregate_key AND p.id < o.id)) \
+                 ORDER BY o.id LIMIT 1) IS NOT NULL AS due"
+            )),
+            // One statement for every outcome of a batch, fenced by token and status: a
+            // relay whose lease was taken over updates nothing. `t.id = ANY(ids)` bounds the
+            // rows read to the batch whatever the planner estimates; it runs as a hash join
+            // (see `RECORD_PLAN`), never as a nested loop rescanning the arrays.
+            record_outcomes: Sql::new(format!(
+                "UPDATE {t} t SET\n\
+                 \x20   status = CASE o.kind WHEN '{OUTCOME_SENT}' THEN 'sent' \
+                 WHEN '{OUTCOME_DEAD}' THEN 'dead' ELSE 'pending' END,\n\
+                 \x20   sent_at = CASE WHEN o.kind = '{OUTCOME_SENT}' THEN now() ELSE t.sent_at END,\n\
+                 \x20   dead_at = CASE WHEN o.kind = '{OUTCOME_DEAD}' THEN now() ELSE t.dead_at END,\n\
+                 \x20   available_at = CASE WHEN o.kind = '{OUTCOME_RETRY}' \
+                 THEN now() + o.delay_us * interval '1 microsecond' ELSE t.available_at END,\n\
+                 \x20   attempts = CASE WHEN o.kind = '{OUTCOME_RELEASE}' \
+                 THEN greatest(o.attempt - 1, 0) ELSE o.attempt END,\n\
+                 \x20   last_error = CASE WHEN o.kind IN ('{OUTCOME_RETRY}', '{OUTCOME_DEAD}') \
+                 THEN o.err ELSE t.last_error END,\n\
+                 \x20   lease_until = NULL\n\
+                 FROM unnest({ids}::bigint[], {tokens}::bigint[], {kinds}::text[], {delays}::bigint[], {errors}::text[], \
+                 {attempts}::integer[]) AS o(id, token, kind, delay_us, err, attempt)\n\
+                 WHERE t.id = ANY({ids}::bigint[]) AND t.id = o.id AND t.fencing_token = o.token \
+                 AND t.status = 'pending'\n\
+                 RETURNING t.id",
+                ids = RecordOutcomes::ids,
+                tokens = RecordOutcomes::tokens,
+                kinds = RecordOutcomes::kinds,
+                delays = RecordOutcomes::delays_us,
+                errors = RecordOutcomes::errors,
+                attempts = RecordOutcomes::attempts,
+            )),
+        }
+    }
+}
 
 #[derive(QueryableByName)]
 struct ClaimRow {
@@ -166,15 +363,13 @@ impl Outbox {
         limits: &Options,
     ) -> Result<Batch> {
         let claimed_at = Instant::now();
-        let rows = self
-            .statements()
-            .claim
-            .query()
-            .bind::<BigInt, _>(i64::try_from(limits.batch_size).unwrap_or(i64::MAX))
-            .bind::<BigInt, _>(micros(limits.lease))
-            .bind::<Integer, _>(i32::try_from(limits.max_attempts).unwrap_or(i32::MAX))
-            .bind::<BigInt, _>(i64::try_from(limits.batch_size.min(MAX_RUN)).unwrap_or(1))
-            .bind::<BigInt, _>(i64::try_from(limits.max_batch_bytes).unwrap_or(i64::MAX));
+        let rows = self.statements().store.claim.bind(Claim {
+            batch_size: i64::try_from(limits.batch_size).unwrap_or(i64::MAX),
+            lease_us: micros(limits.lease),
+            max_attempts: i32::try_from(limits.max_attempts).unwrap_or(i32::MAX),
+            max_run: i64::try_from(limits.batch_size.min(MAX_RUN)).unwrap_or(1),
+            max_bytes: i64::try_from(limits.max_batch_bytes).unwrap_or(i64::MAX),
+        });
         let rows: Vec<ClaimRow> = planned(conn, CLAIM_PLAN, rows)
             .await
             .map_err(|e| self.db_error(e))?;
@@ -232,51 +427,29 @@ impl Outbox {
         outcomes.sort_by_key(|o| o.id);
         let ids: Vec<i64> = outcomes.iter().map(|o| o.id).collect();
         let tokens: Vec<i64> = outcomes.iter().map(|o| o.token).collect();
-        let kinds: Vec<&str> = outcomes.iter().map(|o| o.kind).collect();
+        let kinds: Vec<&'static str> = outcomes.iter().map(|o| o.kind).collect();
         let delays: Vec<i64> = outcomes.iter().map(|o| micros(o.delay)).collect();
-        let errors: Vec<Option<&str>> = outcomes.iter().map(|o| o.error.as_deref()).collect();
+        let errors: Vec<Option<String>> = outcomes.iter().map(|o| o.error.clone()).collect();
         let attempts: Vec<i32> = outcomes
             .iter()
             .map(|o| i32::try_from(o.attempt).unwrap_or(i32::MAX))
             .collect();
         let rows = self
             .statements()
+            .store
             .record_outcomes
-            .query()
-            .bind::<Array<BigInt>, _>(ids)
-            .bind::<Array<BigInt>, _>(tokens)
-            .bind::<Array<Text>, _>(kinds)
-            .bind::<Array<BigInt>, _>(delays)
-            .bind::<Array<Nullable<Text>>, _>(errors)
-            .bind::<Array<Integer>, _>(attempts);
+            .bind(RecordOutcomes {
+                ids,
+                tokens,
+                kinds,
+                delays_us: delays,
+                errors,
+                attempts,
+            });
         let rows: Vec<OutcomeRow> = planned(conn, RECORD_PLAN, rows)
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(outcomes.len().saturating_sub(rows.len()))
-    }
-}
-
-impl Outbox {
-    /// Upserts a relay's record: idle or not, and how long its broker has been unreachable.
-    pub(crate) async fn set_relay_state(
-        &self,
-        conn: &mut AsyncPgConnection,
-        relay_id: &str,
-        idle: bool,
-        ttl: Duration,
-        blocked_for: Option<Duration>,
-    ) -> Result<()> {
-        self.statements()
-            .relay_state
-            .query()
-            .bind::<Text, _>(relay_id)
-            .bind::<Bool, _>(idle)
-            .bind::<BigInt, _>(micros(ttl))
-            .bind::<Nullable<BigInt>, _>(blocked_for.map(micros))
-            .execute(conn)
-            .await
-            .map_err(|e| self.db_error(e))?;
-        Ok(())
     }
 
     /// Whether any pending row is due and unleased (it may still be blocked by its aggregate).
@@ -288,28 +461,13 @@ impl Outbox {
         }
         let row: Due = self
             .statements()
+            .store
             .due
-            .query()
+            .bind(NoParams {})
             .get_result(conn)
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(row.due)
-    }
-
-    /// Deletes a relay's idle record, and every expired one.
-    pub(crate) async fn remove_relay(
-        &self,
-        conn: &mut AsyncPgConnection,
-        relay_id: &str,
-    ) -> Result<()> {
-        self.statements()
-            .relay_gone
-            .query()
-            .bind::<Text, _>(relay_id)
-            .execute(conn)
-            .await
-            .map_err(|e| self.db_error(e))?;
-        Ok(())
     }
 }
 
@@ -329,7 +487,7 @@ const RECORD_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitm
 async fn planned<R>(
     conn: &mut AsyncPgConnection,
     settings: &'static str,
-    query: Prepared<'_>,
+    query: Bound<'_>,
 ) -> QueryResult<Vec<R>>
 where
     R: QueryableByName<Pg> + Send + 'static,
@@ -360,11 +518,6 @@ fn decode_headers(text: &str) -> std::result::Result<BTreeMap<String, String>, S
             _ => Err(format!("undecodable row: header {k:?} is not a string")),
         })
         .collect()
-}
-
-/// A duration in whole microseconds, as bound into SQL.
-pub(crate) fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// An error as stored in `last_error`: NUL bytes removed, cut at a char boundary to at most

@@ -1,4 +1,4 @@
-//! Operations: stats, dead letters, redrive and purge.
+//! Operations: stats, dead letters, redrive and purge, with their statements.
 
 use std::time::Duration;
 
@@ -9,11 +9,112 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
-use crate::sql::SENT_EXACT_LIMIT;
-use crate::statement::Statement;
+use crate::sql::{Sql, TableName, from_micros, micros, statement};
 
 /// Rows deleted per statement by the purge operations, so no statement holds long locks.
 pub(crate) const PURGE_BATCH: i64 = 1_000;
+
+/// Beyond this many sent rows `stats` reports the planner's estimate instead of counting.
+const SENT_EXACT_LIMIT: i64 = 100_000;
+
+statement! {
+    /// Gauges of the table; the sent-rows index is named for its size estimate.
+    pub(crate) struct StatsQuery {
+        sent_index: Text = String,
+    }
+}
+
+statement! {
+    /// Makes the dead letters among `keys` (all of them when empty) pending again.
+    pub(crate) struct Redrive {
+        keys: Array<Text> = Vec<String>,
+    }
+}
+
+statement! {
+    /// The oldest dead letters.
+    pub(crate) struct DeadLetters {
+        limit: BigInt = i64,
+    }
+}
+
+statement! {
+    /// Deletes up to `batch` rows older than `age_us`.
+    pub(crate) struct Purge {
+        age_us: BigInt = i64,
+        batch: BigInt = i64,
+    }
+}
+
+/// The operations' statements of one table.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    pub(crate) stats: Sql<StatsQuery>,
+    pub(crate) redrive: Sql<Redrive>,
+    pub(crate) dead_letters: Sql<DeadLetters>,
+    pub(crate) purge_sent: Sql<Purge>,
+    pub(crate) purge_inbox: Sql<Purge>,
+}
+
+impl Statements {
+    pub(crate) fn render(table: &TableName) -> Self {
+        let t = table.quoted();
+        let inbox = table.quoted_with("_inbox");
+        let relays = table.quoted_with("_relays");
+        Statements {
+            stats: Sql::new(format!(
+                "SELECT\n\
+                 \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
+                 AND (lease_until IS NULL OR lease_until <= now())) AS pending,\n\
+                 \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
+                 AND lease_until > now()) AS in_flight,\n\
+                 \x20   (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'sent' \
+                 LIMIT {SENT_EXACT_LIMIT}) AS s) AS sent_counted,\n\
+                 \x20   (SELECT greatest(reltuples, 0)::bigint FROM pg_class \
+                 WHERE oid = to_regclass({sent_index})) AS sent_estimate,\n\
+                 \x20   (SELECT count(*) FROM {t} WHERE status = 'dead') AS dead,\n\
+                 \x20   (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
+                 FROM {t} WHERE status = 'pending' AND available_at <= now()) AS lag_us,\n\
+                 \x20   (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint \
+                 FROM {relays} WHERE expires_at > now()) AS blocked_us",
+                sent_index = StatsQuery::sent_index,
+            )),
+            redrive: Sql::new(format!(
+                "UPDATE {t} SET status = 'pending', attempts = 0, available_at = now(), \
+                 lease_until = NULL, dead_at = NULL \
+                 WHERE status = 'dead' AND (cardinality({keys}::text[]) = 0 OR idempotency_key = ANY({keys})) \
+                 RETURNING idempotency_key AS key",
+                keys = Redrive::keys,
+            )),
+            dead_letters: Sql::new(format!(
+                "SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, \
+                 created_at, dead_at FROM {t} WHERE status = 'dead' ORDER BY id LIMIT {}",
+                DeadLetters::limit
+            )),
+            purge_sent: Sql::new(format!(
+                "WITH doomed AS MATERIALIZED (\n\
+                 \x20   SELECT id FROM {t} WHERE status = 'sent' \
+                 AND sent_at < now() - {age} * interval '1 microsecond'\n\
+                 \x20   ORDER BY sent_at LIMIT {batch} FOR UPDATE SKIP LOCKED\n\
+                 )\n\
+                 DELETE FROM {t} WHERE id IN (SELECT id FROM doomed)",
+                age = Purge::age_us,
+                batch = Purge::batch,
+            )),
+            purge_inbox: Sql::new(format!(
+                "WITH doomed AS MATERIALIZED (\n\
+                 \x20   SELECT consumer, idempotency_key FROM {inbox} \
+                 WHERE processed_at < now() - {age} * interval '1 microsecond'\n\
+                 \x20   ORDER BY processed_at LIMIT {batch} FOR UPDATE SKIP LOCKED\n\
+                 )\n\
+                 DELETE FROM {inbox} WHERE (consumer, idempotency_key) IN \
+                 (SELECT consumer, idempotency_key FROM doomed)",
+                age = Purge::age_us,
+                batch = Purge::batch,
+            )),
+        }
+    }
+}
 
 /// Gauges of one outbox table, from [`Outbox::stats`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,33 +142,60 @@ pub struct Stats {
 }
 
 /// A dead letter, from [`Outbox::dead_letters`].
-#[derive(Debug, Clone, PartialEq, Eq, QueryableByName)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeadLetter {
     /// Row id (enqueue order).
-    #[diesel(sql_type = BigInt)]
     pub id: i64,
     /// Idempotency key.
-    #[diesel(sql_type = Text)]
     pub key: String,
     /// Topic.
-    #[diesel(sql_type = Text)]
     pub topic: String,
     /// Aggregate key, if any.
-    #[diesel(sql_type = Nullable<Text>)]
     pub aggregate_key: Option<String>,
     /// Attempts used.
-    #[diesel(sql_type = Integer)]
     pub attempts: i32,
     /// Why it died (the last publish error, cut at 2,000 bytes).
-    #[diesel(sql_type = Nullable<Text>)]
     pub last_error: Option<String>,
     /// When it was enqueued.
-    #[diesel(sql_type = Timestamptz)]
     pub created_at: DateTime<Utc>,
     /// When it died.
-    #[diesel(sql_type = Nullable<Timestamptz>)]
     pub dead_at: Option<DateTime<Utc>>,
+}
+
+#[derive(QueryableByName)]
+struct DeadLetterRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    key: String,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    aggregate_key: Option<String>,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    dead_at: Option<DateTime<Utc>>,
+}
+
+impl From<DeadLetterRow> for DeadLetter {
+    fn from(row: DeadLetterRow) -> Self {
+        DeadLetter {
+            id: row.id,
+            key: row.key,
+            topic: row.topic,
+            aggregate_key: row.aggregate_key,
+            attempts: row.attempts,
+            last_error: row.last_error,
+            created_at: row.created_at,
+            dead_at: row.dead_at,
+        }
+    }
 }
 
 #[derive(QueryableByName)]
@@ -104,11 +232,9 @@ impl Outbox {
     /// [`Error::NotMigrated`] or a database error.
     pub async fn stats(&self, conn: &mut AsyncPgConnection) -> Result<Stats> {
         use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
-        let query = self
-            .statements()
-            .stats
-            .query()
-            .bind::<Text, _>(self.inner.table.quoted_with("_sent_idx"));
+        let query = self.statements().ops.stats.bind(StatsQuery {
+            sent_index: self.inner.table.quoted_with("_sent_idx"),
+        });
         AnsiTransactionManager::begin_transaction(conn)
             .await
             .map_err(|e| self.db_error(e))?;
@@ -134,8 +260,8 @@ impl Outbox {
             sent,
             sent_is_estimate,
             dead: count(row.dead),
-            oldest_pending: row.lag_us.map(micros_to_duration),
-            blocked_for: row.blocked_us.map(micros_to_duration),
+            oldest_pending: row.lag_us.map(from_micros),
+            blocked_for: row.blocked_us.map(from_micros),
         })
     }
 
@@ -161,9 +287,9 @@ impl Outbox {
         let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
         let rows = self
             .statements()
+            .ops
             .redrive
-            .query()
-            .bind::<Array<Text>, _>(keys)
+            .bind(Redrive { keys })
             .load::<KeyRow>(conn)
             .await
             .map_err(|e| self.db_error(e))?;
@@ -185,13 +311,17 @@ impl Outbox {
         if limit == 0 {
             return Err(Error::invalid("dead_letters: limit must be at least 1"));
         }
-        self.statements()
+        let rows = self
+            .statements()
+            .ops
             .dead_letters
-            .query()
-            .bind::<BigInt, _>(i64::from(limit))
-            .load::<DeadLetter>(conn)
+            .bind(DeadLetters {
+                limit: i64::from(limit),
+            })
+            .load::<DeadLetterRow>(conn)
             .await
-            .map_err(|e| self.db_error(e))
+            .map_err(|e| self.db_error(e))?;
+        Ok(rows.into_iter().map(DeadLetter::from).collect())
     }
 
     /// Deletes sent rows whose `sent_at` is older than `older_than`, in batches of 1,000,
@@ -206,7 +336,7 @@ impl Outbox {
         conn: &mut AsyncPgConnection,
         older_than: Duration,
     ) -> Result<u64> {
-        self.purge(conn, &self.statements().purge_sent, older_than)
+        self.purge(conn, &self.statements().ops.purge_sent, older_than)
             .await
     }
 
@@ -221,14 +351,14 @@ impl Outbox {
         conn: &mut AsyncPgConnection,
         older_than: Duration,
     ) -> Result<u64> {
-        self.purge(conn, &self.statements().purge_inbox, older_than)
+        self.purge(conn, &self.statements().ops.purge_inbox, older_than)
             .await
     }
 
     async fn purge(
         &self,
         conn: &mut AsyncPgConnection,
-        sql: &Statement,
+        sql: &Sql<Purge>,
         older_than: Duration,
     ) -> Result<u64> {
         let age = purge_age(older_than)?;
@@ -246,23 +376,17 @@ impl Outbox {
     pub(crate) async fn purge_batch(
         &self,
         conn: &mut AsyncPgConnection,
-        sql: &Statement,
+        sql: &Sql<Purge>,
         age_us: i64,
         batch: i64,
     ) -> Result<u64> {
         let n = sql
-            .query()
-            .bind::<BigInt, _>(age_us)
-            .bind::<BigInt, _>(batch)
+            .bind(Purge { age_us, batch })
             .execute(conn)
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(n as u64)
     }
-}
-
-fn micros_to_duration(us: i64) -> Duration {
-    Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }
 
 /// An age in microseconds, as bound into SQL.
@@ -276,5 +400,5 @@ pub(crate) fn purge_age(age: Duration) -> Result<i64> {
             "purge age of {age:?} is out of range; the limit is 100 years"
         )));
     }
-    Ok(i64::try_from(age.as_micros()).unwrap_or(i64::MAX))
+    Ok(micros(age))
 }

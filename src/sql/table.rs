@@ -27,6 +27,10 @@ pub(crate) const SUFFIXES: &[&str] = &[
 /// Suffix of the NOTIFY channel, which is built from the qualified name.
 const CHANNEL_SUFFIX: &str = "_wake";
 
+/// The first key of the wake lock an idle relay holds (`pg_advisory_lock(int, int)`); the
+/// second is the outbox table's oid. "outw" in ASCII. See the crate docs, "Wake-up".
+pub const WAKE_LOCK_CLASS: i32 = 0x6f75_7477;
+
 /// A validated `name` or `schema.name`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TableName {
@@ -107,6 +111,17 @@ impl TableName {
     /// The NOTIFY channel (unquoted; quote it for LISTEN).
     pub(crate) fn channel(&self) -> String {
         format!("{}{CHANNEL_SUFFIX}", self.display())
+    }
+
+    /// The table's oid as the wake lock's second key: the same whatever the spelling of the
+    /// name, resolved when the statement is planned.
+    pub(crate) fn wake_lock_oid(&self) -> String {
+        format!("'{}'::regclass::oid::int4", self.quoted())
+    }
+
+    /// Both keys of the wake lock, for `pg_*advisory*_lock(int, int)`.
+    pub(crate) fn wake_lock_key(&self) -> String {
+        format!("{WAKE_LOCK_CLASS}, {}", self.wake_lock_oid())
     }
 }
 

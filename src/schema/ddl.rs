@@ -1,0 +1,172 @@
+//! The DDL of every schema version, rendered for one table name.
+
+use diesel::sql_types::Integer;
+
+use crate::sql::{NoParams, Sql, TableName, statement};
+
+statement! {
+    /// Records that a schema version is applied.
+    pub(crate) struct RecordVersion {
+        version: Integer = i32,
+    }
+}
+
+/// The schema's statements for one table.
+#[derive(Debug, Clone)]
+pub(crate) struct Ddl {
+    /// `CREATE SCHEMA`, when the table is schema-qualified.
+    pub(crate) create_schema: Option<String>,
+    pub(crate) create_migrations: String,
+    pub(crate) select_versions: Sql<NoParams>,
+    pub(crate) record_version: Sql<RecordVersion>,
+    /// Every schema version in order; version numbers start at 1.
+    pub(crate) migrations: Vec<Migration>,
+}
+
+/// One schema version: the statements that apply it and those that take it back.
+#[derive(Debug, Clone)]
+pub(crate) struct Migration {
+    pub(crate) up: Vec<String>,
+    pub(crate) down: Vec<String>,
+}
+
+impl Ddl {
+    pub(crate) fn render(table: &TableName) -> Self {
+        let t = table.quoted();
+        let inbox = table.quoted_with("_inbox");
+        let relays = table.quoted_with("_relays");
+        let migrations_table = table.quoted_with("_migrations");
+        let o = |suffix: &str| table.object(suffix);
+
+        let v1 = Migration {
+            up: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\n\
+                     \x20   id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME {seq}),\n\
+                     \x20   idempotency_key text NOT NULL,\n\
+                     \x20   topic text NOT NULL,\n\
+                     \x20   aggregate_key text,\n\
+                     \x20   payload bytea NOT NULL,\n\
+                     \x20   content_type text,\n\
+                     \x20   headers jsonb NOT NULL DEFAULT '{{}}'::jsonb,\n\
+                     \x20   status text NOT NULL DEFAULT 'pending',\n\
+                     \x20   attempts integer NOT NULL DEFAULT 0,\n\
+                     \x20   fencing_token bigint NOT NULL DEFAULT 0,\n\
+                     \x20   available_at timestamptz NOT NULL DEFAULT now(),\n\
+                     \x20   lease_until timestamptz,\n\
+                     \x20   last_error text,\n\
+                     \x20   created_at timestamptz NOT NULL DEFAULT now(),\n\
+                     \x20   sent_at timestamptz,\n\
+                     \x20   dead_at timestamptz,\n\
+                     \x20   CONSTRAINT {pkey} PRIMARY KEY (id),\n\
+                     \x20   CONSTRAINT {unique} UNIQUE (idempotency_key),\n\
+                     \x20   CONSTRAINT {check} CHECK (status IN ('pending', 'sent', 'dead'))\n\
+                     ) WITH (fillfactor = 70)",
+                    seq = table.quoted_with("_id_seq"),
+                    pkey = o("_pkey"),
+                    unique = o("_key_unique"),
+                    check = o("_status_check"),
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (id) WHERE status = 'pending'",
+                    o("_pending_idx")
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (aggregate_key, id) \
+                     WHERE status = 'pending' AND aggregate_key IS NOT NULL",
+                    o("_aggregate_idx")
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (sent_at) WHERE status = 'sent'",
+                    o("_sent_idx")
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (id) WHERE status = 'dead'",
+                    o("_dead_idx")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {inbox} (\n\
+                     \x20   consumer text NOT NULL,\n\
+                     \x20   idempotency_key text NOT NULL,\n\
+                     \x20   processed_at timestamptz NOT NULL DEFAULT now(),\n\
+                     \x20   CONSTRAINT {pkey} PRIMARY KEY (consumer, idempotency_key)\n\
+                     )",
+                    pkey = o("_inbox_pkey"),
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {inbox} (processed_at)",
+                    o("_inbox_processed_idx")
+                ),
+                // Running relays: idle or not (for operators; writers go by the wake lock).
+                // Unlogged: it is rebuilt by the relays themselves after a crash.
+                format!(
+                    "CREATE UNLOGGED TABLE IF NOT EXISTS {relays} (\n\
+                     \x20   relay_id text NOT NULL,\n\
+                     \x20   idle boolean NOT NULL,\n\
+                     \x20   expires_at timestamptz NOT NULL,\n\
+                     \x20   CONSTRAINT {pkey} PRIMARY KEY (relay_id)\n\
+                     )",
+                    pkey = o("_relays_pkey"),
+                ),
+            ],
+            down: vec![
+                format!("DROP TABLE IF EXISTS {relays}"),
+                format!("DROP TABLE IF EXISTS {inbox}"),
+                format!("DROP TABLE IF EXISTS {t}"),
+                format!("DELETE FROM {migrations_table} WHERE version = 1"),
+            ],
+        };
+        // Version 2: relays record when their broker became unreachable (for `stats`).
+        let v2 = Migration {
+            up: vec![format!(
+                "ALTER TABLE {relays} ADD COLUMN IF NOT EXISTS blocked_since timestamptz"
+            )],
+            down: vec![
+                format!("ALTER TABLE {relays} DROP COLUMN IF EXISTS blocked_since"),
+                format!("DELETE FROM {migrations_table} WHERE version = 2"),
+            ],
+        };
+
+        Ddl {
+            create_schema: table
+                .schema()
+                .map(|s| format!("CREATE SCHEMA IF NOT EXISTS \"{s}\"")),
+            create_migrations: format!(
+                "CREATE TABLE IF NOT EXISTS {migrations_table} (\n\
+                 \x20   version integer NOT NULL,\n\
+                 \x20   applied_at timestamptz NOT NULL DEFAULT now(),\n\
+                 \x20   CONSTRAINT {pkey} PRIMARY KEY (version)\n\
+                 )",
+                pkey = o("_migrations_pkey"),
+            ),
+            select_versions: Sql::new(format!(
+                "SELECT version FROM {migrations_table} ORDER BY version"
+            )),
+            record_version: Sql::new(format!(
+                "INSERT INTO {migrations_table} (version) VALUES ({}) ON CONFLICT DO NOTHING",
+                RecordVersion::version
+            )),
+            migrations: vec![v1, v2],
+        }
+    }
+
+    /// The statement recording `version`, with the number written in, for a migration file.
+    pub(crate) fn record_version_literal(&self, version: i32) -> String {
+        self.record_version
+            .text()
+            .replace(&RecordVersion::version.to_string(), &version.to_string())
+    }
+
+    /// The statements a user's own migration tool should run, in order: the schema (if
+    /// any), the version table, every migration, and the version records.
+    pub(crate) fn all_migration_sql(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        out.extend(self.create_schema.clone());
+        out.push(self.create_migrations.clone());
+        for (version, migration) in (1..).zip(&self.migrations) {
+            out.extend(migration.up.iter().cloned());
+            out.push(self.record_version_literal(version));
+        }
+        out
+    }
+}

@@ -1,0 +1,136 @@
+//! The versioned migration runner (`migrate`), and the same statements for other tools:
+//! `sql()`, `down_sql()` and one diesel CLI migration per version.
+
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Integer};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+
+use crate::error::{Error, Result};
+use crate::outbox::Outbox;
+use crate::schema::ddl::RecordVersion;
+use crate::sql::NoParams;
+
+/// Serialises every `migrate` call on a cluster (any table name): "outbox" in ASCII.
+const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78;
+
+#[derive(QueryableByName)]
+struct VersionRow {
+    #[diesel(sql_type = Integer)]
+    version: i32,
+}
+
+impl Outbox {
+    /// Creates or upgrades the outbox table, its inbox table, the relays' wake-up table
+    /// `<table>_relays` and their indexes.
+    ///
+    /// Safe on every start and from many processes at once: it runs in one transaction
+    /// under an advisory lock, applies only the versions missing from `<table>_migrations`,
+    /// and creates the schema of a `schema.name` table if needed.
+    ///
+    /// # Errors
+    /// [`Error::Migration`] when the database holds a newer version than this crate knows;
+    /// a database error otherwise (and nothing is changed).
+    pub async fn migrate(&self, conn: &mut AsyncPgConnection) -> Result<()> {
+        let sql = &self.statements().ddl;
+        let table = self.table().to_owned();
+        conn.transaction(async |c| {
+            diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
+                .bind::<BigInt, _>(MIGRATE_LOCK)
+                .execute(c)
+                .await?;
+            if let Some(create_schema) = &sql.create_schema {
+                diesel::sql_query(create_schema.as_str()).execute(c).await?;
+            }
+            diesel::sql_query(sql.create_migrations.as_str())
+                .execute(c)
+                .await?;
+            let applied: Vec<i32> = sql
+                .select_versions
+                .bind(NoParams {})
+                .load::<VersionRow>(c)
+                .await?
+                .into_iter()
+                .map(|r| r.version)
+                .collect();
+            let known = i32::try_from(sql.migrations.len()).unwrap_or(i32::MAX);
+            if let Some(newer) = applied.iter().find(|v| **v > known) {
+                return Err(Error::Migration(
+                    format!(
+                        "table {table} is at schema version {newer}, newer than this crate's \
+                         {known}: upgrade diesel-outbox"
+                    )
+                    .into(),
+                ));
+            }
+            for (version, migration) in (1..).zip(&sql.migrations) {
+                if applied.contains(&version) {
+                    continue;
+                }
+                for statement in &migration.up {
+                    diesel::sql_query(statement.as_str()).execute(c).await?;
+                }
+                sql.record_version
+                    .bind(RecordVersion { version })
+                    .execute(c)
+                    .await?;
+                tracing::info!(table = %table, version, "outbox migration applied");
+            }
+            Ok::<_, Error>(())
+        })
+        .await
+    }
+
+    /// The statements [`Outbox::migrate`] runs, in order, for your own migration tool. They
+    /// are idempotent (`IF NOT EXISTS`) and record the version in `<table>_migrations`, so
+    /// `migrate` afterwards finds nothing to do. Unlike `migrate` they take no lock.
+    pub fn sql(&self) -> Vec<String> {
+        self.statements().ddl.all_migration_sql()
+    }
+
+    /// Statements that drop everything [`Outbox::sql`] creates (except a schema), for a
+    /// `down.sql`.
+    pub fn down_sql(&self) -> Vec<String> {
+        let t = &self.inner.table;
+        vec![
+            format!("DROP TABLE IF EXISTS {}", t.quoted_with("_relays")),
+            format!("DROP TABLE IF EXISTS {}", t.quoted_with("_inbox")),
+            format!("DROP TABLE IF EXISTS {}", t.quoted()),
+            format!("DROP TABLE IF EXISTS {}", t.quoted_with("_migrations")),
+        ]
+    }
+
+    /// The diesel CLI migrations of this table, one `(up.sql, down.sql)` per schema version,
+    /// oldest first. The crate's own `migrations/` folder holds these for the default table;
+    /// `diesel-outbox sql --dir` writes them for any table. The first also creates the
+    /// version table (and the schema of a `schema.name` table); each records its version
+    /// there, so [`Outbox::migrate`] afterwards finds nothing to do.
+    pub fn diesel_migrations(&self) -> Vec<(String, String)> {
+        let sql = &self.statements().ddl;
+        (1..)
+            .zip(&sql.migrations)
+            .map(|(version, migration)| {
+                let mut up = Vec::new();
+                if version == 1 {
+                    up.extend(sql.create_schema.clone());
+                    up.push(sql.create_migrations.clone());
+                }
+                up.extend(migration.up.iter().cloned());
+                up.push(sql.record_version_literal(version));
+                let mut down = migration.down.clone();
+                if version == 1 {
+                    down.push(format!(
+                        "DROP TABLE IF EXISTS {}",
+                        self.inner.table.quoted_with("_migrations")
+                    ));
+                }
+                (sql_file(&up), sql_file(&down))
+            })
+            .collect()
+    }
+}
+
+fn sql_file(statements: &[String]) -> String {
+    let mut out = statements.join(";\n\n");
+    out.push_str(";\n");
+    out
+}
