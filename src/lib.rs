@@ -177,8 +177,6 @@ mod metrics;
 mod ops;
 mod outbox;
 mod publisher;
-#[cfg(feature = "rabbitmq")]
-pub mod rabbitmq;
 mod relay;
 pub mod schema;
 mod sql;
@@ -192,8 +190,11 @@ pub use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Message};
 pub use crate::metrics::{Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_TABLE, Outbox, OutboxBuilder};
+#[cfg(feature = "rabbitmq")]
+pub use crate::publisher::rabbitmq;
 pub use crate::publisher::{
-    BatchResults, FnPublisher, PublishError, Publisher, Record, publisher_fn,
+    AGGREGATE_HEADER, ATTEMPT_HEADER, BatchResults, FnPublisher, PublishError, Publisher, Record,
+    publisher_fn,
 };
 pub use crate::relay::{PgPool, Relay, RelayBuilder};
 pub use crate::schema::harness::{MIGRATIONS, OutboxMigrations};

@@ -1,4 +1,10 @@
-//! What the relay publishes to: the `Publisher` trait, its errors, and the `Record` it gets.
+//! What the relay publishes to: the `Publisher` contract (the trait, its errors, the
+//! `Record` it gets, the headers every publisher sends), the closure adapter, and one
+//! folder per broker.
+
+mod closure;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,6 +15,15 @@ use chrono::{DateTime, Utc};
 use futures_util::Stream;
 
 use crate::error::BoxError;
+
+pub use self::closure::{FnPublisher, publisher_fn};
+
+/// The header carrying the attempt number (1 for the first delivery), which every
+/// publisher of the crate sends.
+pub const ATTEMPT_HEADER: &str = "x-outbox-attempt";
+/// The header carrying the aggregate key, when the message has one, which every publisher
+/// of the crate sends.
+pub const AGGREGATE_HEADER: &str = "x-outbox-aggregate-key";
 
 /// One claimed message, as handed to a [`Publisher`].
 #[derive(Clone, PartialEq, Eq)]
@@ -32,6 +47,38 @@ pub struct Record {
     pub attempt: u32,
     /// Enqueue time (database clock).
     pub created_at: DateTime<Utc>,
+}
+
+impl Record {
+    /// A record of one message on its first attempt, enqueued now, with no aggregate key,
+    /// content type or headers; set those through the public fields. For publishers' own
+    /// tests: the relay builds the records it publishes from the claimed rows.
+    ///
+    /// ```
+    /// use diesel_outbox::Record;
+    ///
+    /// let mut record = Record::new("order-42-created", "order.created", r#"{"id":42}"#);
+    /// record.aggregate_key = Some("order-42".into());
+    /// record.attempt = 2;
+    /// # assert_eq!(record.topic, "order.created");
+    /// ```
+    pub fn new(
+        key: impl Into<String>,
+        topic: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        Record {
+            id: 0,
+            key: key.into(),
+            topic: topic.into(),
+            aggregate_key: None,
+            payload: payload.into(),
+            content_type: None,
+            headers: BTreeMap::new(),
+            attempt: 1,
+            created_at: Utc::now(),
+        }
+    }
 }
 
 impl fmt::Debug for Record {
@@ -197,46 +244,6 @@ pub trait Publisher: Send + Sync + 'static {
     /// relay itself allows a publish. Defaults to `None`.
     fn timeout(&self) -> Option<std::time::Duration> {
         None
-    }
-}
-
-/// A [`Publisher`] made from a closure; see [`publisher_fn`].
-pub struct FnPublisher<F> {
-    f: F,
-}
-
-impl<F> fmt::Debug for FnPublisher<F> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("FnPublisher")
-    }
-}
-
-/// Adapts a closure that takes an owned [`Record`] into a [`Publisher`].
-///
-/// ```
-/// use diesel_outbox::{PublishError, publisher_fn};
-///
-/// let publisher = publisher_fn(|record| async move {
-///     tracing::info!(key = %record.key, "would publish");
-///     Ok::<_, PublishError>(())
-/// });
-/// # let _ = publisher;
-/// ```
-pub fn publisher_fn<F, Fut>(f: F) -> FnPublisher<F>
-where
-    F: Fn(Record) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), PublishError>> + Send,
-{
-    FnPublisher { f }
-}
-
-impl<F, Fut> Publisher for FnPublisher<F>
-where
-    F: Fn(Record) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), PublishError>> + Send,
-{
-    fn publish(&self, record: &Record) -> impl Future<Output = Result<(), PublishError>> + Send {
-        (self.f)(record.clone())
     }
 }
 

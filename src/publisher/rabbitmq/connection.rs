@@ -1,0 +1,181 @@
+//! The publisher's link to the broker: one connection, its idle confirm channels, and
+//! reconnecting with backoff; and what a lapin error says about reaching the broker.
+
+use std::time::Duration;
+
+use lapin::options::ConfirmSelectOptions;
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::{Channel, Connection, ConnectionProperties, ConnectionStatus, ErrorKind};
+use tokio::time::Instant;
+
+use super::RabbitMqPublisher;
+use crate::publisher::PublishError;
+
+const RECONNECT_MIN: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_secs(10);
+
+/// The current connection, its idle confirm channels, and when a failed reconnect may be
+/// tried again.
+///
+/// Each batch publishes on a channel of its own: the broker's returns (unroutable messages)
+/// arrive on the channel they were published on, and lapin hands them out with whichever
+/// confirm of that channel resolves next, so a channel shared by two batches could give one
+/// batch's return to the other and let an unroutable message count as sent.
+#[derive(Default)]
+pub(super) struct Link {
+    connection: Option<Connection>,
+    idle: Vec<Channel>,
+    backoff: Option<Duration>,
+    retry_at: Option<Instant>,
+}
+
+/// A confirm channel lent to one batch, with what it needs to know of its connection.
+pub(super) struct Lent {
+    pub(super) channel: Channel,
+    pub(super) status: ConnectionStatus,
+    pub(super) frame_max: u32,
+}
+
+impl Lent {
+    fn new(channel: Channel, connection: &Connection) -> Self {
+        Lent {
+            channel,
+            status: connection.status().clone(),
+            frame_max: connection.configuration().frame_max(),
+        }
+    }
+}
+
+impl RabbitMqPublisher {
+    /// A confirm channel for one batch's exclusive use, opening a new connection or channel
+    /// when needed. Give it back with [`RabbitMqPublisher::give_back`]. Every failure here
+    /// is an outage: nothing was written.
+    pub(super) async fn channel(&self) -> std::result::Result<Lent, String> {
+        let mut link = self.link.lock().await;
+        let connected = link
+            .connection
+            .as_ref()
+            .is_some_and(|c| c.status().connected());
+        if connected {
+            while let Some(channel) = link.idle.pop() {
+                if channel.status().connected() {
+                    let connection = link.connection.as_ref().expect("connected above");
+                    return Ok(Lent::new(channel, connection));
+                }
+            }
+        } else {
+            link.idle.clear();
+            if let Some(at) = link.retry_at
+                && Instant::now() < at
+            {
+                return Err(format!(
+                    "RabbitMQ at {} is unreachable; reconnecting in {:?}",
+                    self.endpoint,
+                    at - Instant::now()
+                ));
+            }
+            // A broker that accepts the socket but never finishes the handshake must not
+            // hold the publisher (and this lock) forever.
+            let connecting = tokio::time::timeout(
+                self.confirm_timeout,
+                Connection::connect_uri(self.uri.clone(), ConnectionProperties::default()),
+            )
+            .await
+            .map_err(|_| format!("no handshake within {:?}", self.confirm_timeout))
+            .and_then(|connected| connected.map_err(|e| e.to_string()));
+            match connecting {
+                Ok(connection) => {
+                    tracing::info!(endpoint = %self.endpoint, "connected to RabbitMQ");
+                    link.connection = Some(connection);
+                }
+                Err(e) => {
+                    let delay = link
+                        .backoff
+                        .map_or(RECONNECT_MIN, |d| (d * 2).min(RECONNECT_MAX));
+                    link.backoff = Some(delay);
+                    link.retry_at = Some(Instant::now() + delay);
+                    // The relay reports the outage; this is the detail.
+                    tracing::debug!(endpoint = %self.endpoint, error = %e, retry_in = ?delay, "connecting to RabbitMQ failed");
+                    return Err(format!(
+                        "connecting to RabbitMQ at {} failed: {e}",
+                        self.endpoint
+                    ));
+                }
+            }
+        }
+        let connection = link.connection.as_ref().expect("connected above");
+        let opening = async {
+            let channel = connection.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            Ok::<_, lapin::Error>(channel)
+        };
+        let channel = match tokio::time::timeout(self.confirm_timeout, opening).await {
+            Ok(opened) => opened.map_err(|e| {
+                format!(
+                    "opening a confirm channel on RabbitMQ at {} failed: {e}",
+                    self.endpoint
+                )
+            })?,
+            Err(_) => {
+                return Err(format!(
+                    "opening a confirm channel on RabbitMQ at {} took over {:?}",
+                    self.endpoint, self.confirm_timeout
+                ));
+            }
+        };
+        let lent = Lent::new(channel, connection);
+        link.backoff = None;
+        link.retry_at = None;
+        Ok(lent)
+    }
+
+    /// Returns a channel after a batch whose confirms all arrived, without waiting for the
+    /// link (another batch may hold it while it connects: then on a task of its own).
+    pub(super) fn give_back(&self, channel: Channel) {
+        if !channel.status().connected() {
+            return;
+        }
+        match self.link.try_lock() {
+            Ok(mut link) => link.idle.push(channel),
+            Err(_) => {
+                let link = self.link.clone();
+                tokio::spawn(async move {
+                    link.lock().await.idle.push(channel);
+                });
+            }
+        }
+    }
+}
+
+/// Whether a lapin error from writing a record says the broker is out of reach (an outage:
+/// the record was not written) or something about the record failed. A channel or
+/// connection the broker closed with an error about what was sent (a refused routing key,
+/// say) spends attempts; only a missing exchange and a forced close (a broker shutting
+/// down) are outages.
+pub(super) fn classify(err: &lapin::Error, text: String) -> PublishError {
+    match err.kind() {
+        ErrorKind::IOError(_)
+        | ErrorKind::MissingHeartbeatError
+        | ErrorKind::InvalidConnectionState(_)
+        | ErrorKind::InvalidChannelState(..)
+        | ErrorKind::ChannelsLimitReached => PublishError::unavailable(text),
+        _ if closed_by_broker_side(err) => PublishError::unavailable(text),
+        _ => PublishError::transient(text),
+    }
+}
+
+/// A channel or connection the broker closed for a reason of its own, not of a message's: a
+/// missing exchange, or a forced close as the broker shuts down.
+pub(super) fn closed_by_broker_side(err: &lapin::Error) -> bool {
+    matches!(
+        err.kind(),
+        ErrorKind::ProtocolError(amqp)
+            if matches!(
+                amqp.kind(),
+                AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+                    | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED)
+            )
+    )
+}

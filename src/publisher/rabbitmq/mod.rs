@@ -1,0 +1,216 @@
+//! The RabbitMQ publisher (feature `rabbitmq`), on lapin.
+//!
+//! Each record goes to one exchange with its topic as routing key, as a persistent message
+//! (delivery mode 2) whose message id is the idempotency key, with the record's content type
+//! and headers, the enqueue time as timestamp, and the headers `x-outbox-attempt` (integer)
+//! and, when set, `x-outbox-aggregate-key`. Publisher confirms are always on: a record
+//! counts as published only after the broker's ack. With `mandatory` (the default) an
+//! unroutable message comes back and is a transient failure, so it is retried and finally
+//! dead-lettered, never silently dropped; a returned message is matched by message id
+//! whichever confirm (ack or nack) carries it. A nack and a confirm timeout on a healthy
+//! connection are transient failures too. A claimed batch is pipelined: every record is
+//! published, then every confirm awaited, the whole batch within the confirm timeout.
+//!
+//! The broker being out of reach is not a message's fault: connection refused or lost
+//! before a record was written, a failed login, the exchange missing, or the connection
+//! blocked by a resource alarm are reported as [`PublishError::unavailable`], and the relay
+//! releases such records without spending their attempts. When the channel or connection
+//! goes down under records already written, the first of them is charged a transient
+//! failure (it may be the one that brought it down, and must not be retried forever) and
+//! the others are released.
+//!
+//! Before anything is written, each record is checked against what RabbitMQ itself accepts,
+//! and fails permanently and alone if it breaks a rule: names and values over 255 bytes
+//! where AMQP needs a short string, a `CC` or `BCC` header (RabbitMQ would route on it), or
+//! a header frame larger than the connection's negotiated `frame_max` (the broker would
+//! close the connection, failing every batch on it). Enqueue refuses all of these already;
+//! the check covers rows written by other means.
+//!
+//! The publisher reconnects by itself: after the channel or the connection dies, the next
+//! batch opens new ones (with backoff between failed attempts). URLs and passwords never
+//! appear in its `Debug` output, its errors or its logs. Each batch publishes on a channel
+//! of its own, so a returned message is always matched to its own batch.
+//!
+//! Hazard: lapin itself logs a returned message, payload included, at `warn` level, and at
+//! `trace` level every frame, the login's password included, under the `lapin` target.
+//! Filter that target (`lapin=error`, as the `diesel-outbox` binary does) wherever payloads
+//! and passwords must not reach the logs.
+
+//!
+//! Inside: `connection` (the link, its channels and reconnecting), `properties` (a record
+//! as AMQP properties, and the checks of what RabbitMQ accepts), `pipeline` (a batch
+//! published at once, its confirms and returns matched to records).
+
+mod connection;
+mod pipeline;
+mod properties;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream;
+use lapin::types::ShortString;
+use lapin::uri::AMQPUri;
+use tokio::sync::Mutex;
+
+use self::connection::Link;
+use crate::error::{Error, Result};
+use crate::publisher::{BatchResults, PublishError, Publisher, Record};
+
+/// Publishes records to a RabbitMQ exchange with publisher confirms; see the
+/// [module docs](self).
+///
+/// ```no_run
+/// use diesel_outbox::rabbitmq::RabbitMqPublisher;
+///
+/// # async fn run() -> Result<(), diesel_outbox::Error> {
+/// let publisher = RabbitMqPublisher::builder("amqp://guest:guest@127.0.0.1:5672/%2f", "events")
+///     .connect()
+///     .await?;
+/// # let _ = publisher; Ok(()) }
+/// ```
+pub struct RabbitMqPublisher {
+    uri: AMQPUri,
+    /// `host:port/vhost`: how the broker is named in errors and logs (never the URL).
+    endpoint: String,
+    exchange: ShortString,
+    mandatory: bool,
+    confirm_timeout: Duration,
+    link: Arc<Mutex<Link>>,
+}
+
+impl fmt::Debug for RabbitMqPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitMqPublisher")
+            .field("endpoint", &self.endpoint)
+            .field("exchange", &self.exchange.as_str())
+            .field("mandatory", &self.mandatory)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`RabbitMqPublisher`]; from [`RabbitMqPublisher::builder`].
+#[must_use]
+pub struct RabbitMqPublisherBuilder {
+    url: String,
+    exchange: String,
+    mandatory: bool,
+    confirm_timeout: Duration,
+}
+
+impl fmt::Debug for RabbitMqPublisherBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitMqPublisherBuilder")
+            .field("exchange", &self.exchange)
+            .field("mandatory", &self.mandatory)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitMqPublisher {
+    /// A publisher to `exchange` on the broker at `url` (`amqp://user:pass@host:port/vhost`).
+    /// The exchange must exist: declare it in your deployment or at start-up.
+    pub fn builder(
+        url: impl Into<String>,
+        exchange: impl Into<String>,
+    ) -> RabbitMqPublisherBuilder {
+        RabbitMqPublisherBuilder {
+            url: url.into(),
+            exchange: exchange.into(),
+            mandatory: true,
+            confirm_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The exchange records are published to.
+    pub fn exchange(&self) -> &str {
+        self.exchange.as_str()
+    }
+}
+
+impl RabbitMqPublisherBuilder {
+    /// Publish with `mandatory`, so an unroutable message comes back and fails (to be
+    /// retried, then dead-lettered) instead of vanishing. Defaults to `true`.
+    pub fn mandatory(mut self, mandatory: bool) -> Self {
+        self.mandatory = mandatory;
+        self
+    }
+
+    /// The longest a batch may take, connecting and opening a channel included; confirms
+    /// missing then count as transient failures (or as an outage, when the broker has
+    /// blocked the connection). The relay checks at `build()` that it fits in half its
+    /// lease. Defaults to 10 s.
+    pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
+        self
+    }
+
+    /// Validates the settings and connects (failing fast on a wrong URL or an unreachable
+    /// broker). Later connection losses are repaired by the publisher itself.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for a malformed URL (not echoed: it may hold a password), an
+    /// exchange name over 255 bytes or a zero confirm timeout; [`Error::Publish`] when the
+    /// broker cannot be reached.
+    pub async fn connect(self) -> Result<RabbitMqPublisher> {
+        let uri: AMQPUri = self.url.parse().map_err(|_| {
+            Error::InvalidOption(
+                "the AMQP URL is malformed (not shown: it may hold a password)".into(),
+            )
+        })?;
+        let exchange = ShortString::try_new(self.exchange)
+            .map_err(|_| Error::InvalidOption("exchange name is over 255 bytes".into()))?;
+        if self.confirm_timeout.is_zero() {
+            return Err(Error::InvalidOption(
+                "confirm_timeout must be above zero".into(),
+            ));
+        }
+        let endpoint = format!(
+            "{}:{}/{}",
+            uri.authority.host, uri.authority.port, uri.vhost
+        );
+        let publisher = RabbitMqPublisher {
+            uri,
+            endpoint,
+            exchange,
+            mandatory: self.mandatory,
+            confirm_timeout: self.confirm_timeout,
+            link: Arc::new(Mutex::new(Link::default())),
+        };
+        let lent = publisher
+            .channel()
+            .await
+            .map_err(|why| Error::Publish(why.into()))?;
+        publisher.give_back(lent.channel);
+        Ok(publisher)
+    }
+}
+
+impl Publisher for RabbitMqPublisher {
+    async fn publish(&self, record: &Record) -> std::result::Result<(), PublishError> {
+        self.publish_pipelined(std::slice::from_ref(record))
+            .await
+            .pop()
+            .expect("one result per record")
+    }
+
+    fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
+        let results = async move {
+            stream::iter(
+                self.publish_pipelined(records)
+                    .await
+                    .into_iter()
+                    .enumerate(),
+            )
+        };
+        Some(Box::pin(stream::once(results).flatten()))
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.confirm_timeout)
+    }
+}
