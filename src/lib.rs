@@ -169,6 +169,7 @@
 
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 
+mod backoff;
 mod enqueue;
 mod error;
 mod inbox;

@@ -30,6 +30,7 @@ use futures_util::StreamExt;
 use tokio::sync::{Notify, watch};
 
 use super::PgPool;
+use crate::backoff::Backoff;
 use crate::sql::{NoParams, Sql, TableName, WAKE_LOCK_CLASS};
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
@@ -162,13 +163,13 @@ impl Statements {
 /// capped exponential backoff, reset after every successful LISTEN. Each (re)connect wakes
 /// the relay once, to catch up on notifications sent while nobody listened.
 pub(crate) async fn run(pool: PgPool, sql: Statements, table: String, wake: Arc<Wake>) {
-    let mut delay = RECONNECT_MIN;
+    let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
     loop {
         let failure = match pool.dedicated_connection().await {
             Ok(mut conn) => match conn.batch_execute(&sql.listen).await {
                 Ok(()) => {
                     wake.set_listening(true);
-                    delay = RECONNECT_MIN;
+                    backoff.reset();
                     tracing::debug!(table = %table, "relay listening for wake-ups");
                     wake.notify.notify_one();
                     let why = hold(&mut conn, &sql, &wake).await;
@@ -181,6 +182,7 @@ pub(crate) async fn run(pool: PgPool, sql: Statements, table: String, wake: Arc<
             },
             Err(e) => format!("connecting failed: {e}"),
         };
+        let delay = backoff.failed();
         tracing::warn!(
             table = %table,
             error = %failure,
@@ -188,7 +190,6 @@ pub(crate) async fn run(pool: PgPool, sql: Statements, table: String, wake: Arc<
             "relay's LISTEN connection lost; polling until it is back"
         );
         tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(RECONNECT_MAX);
     }
 }
 

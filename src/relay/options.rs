@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::backoff;
 use crate::error::{Error, Result};
 
 /// Relay settings; every field is set through [`RelayBuilder`](super::RelayBuilder).
@@ -136,13 +137,11 @@ impl Options {
     /// Delay before attempt `attempt + 1`: exponential from `backoff_min`, capped at
     /// `backoff_max`, with equal jitter (half fixed, half random) so failing relays spread.
     pub(crate) fn backoff(&self, attempt: u32) -> Duration {
-        let exp = attempt.saturating_sub(1).min(32);
-        let base = self
-            .backoff_min
-            .saturating_mul(1u32 << exp.min(31))
-            .min(self.backoff_max);
-        let half = base / 2;
-        half + half.mul_f64(fastrand::f64())
+        backoff::jittered(backoff::capped(
+            self.backoff_min,
+            self.backoff_max,
+            attempt.max(1),
+        ))
     }
 }
 

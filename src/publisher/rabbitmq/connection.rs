@@ -9,6 +9,7 @@ use lapin::{Channel, Connection, ConnectionProperties, ConnectionStatus, ErrorKi
 use tokio::time::Instant;
 
 use super::RabbitMqPublisher;
+use crate::backoff::Backoff;
 use crate::publisher::PublishError;
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
@@ -21,12 +22,22 @@ const RECONNECT_MAX: Duration = Duration::from_secs(10);
 /// arrive on the channel they were published on, and lapin hands them out with whichever
 /// confirm of that channel resolves next, so a channel shared by two batches could give one
 /// batch's return to the other and let an unroutable message count as sent.
-#[derive(Default)]
 pub(super) struct Link {
     connection: Option<Connection>,
     idle: Vec<Channel>,
-    backoff: Option<Duration>,
+    backoff: Backoff,
     retry_at: Option<Instant>,
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Link {
+            connection: None,
+            idle: Vec::new(),
+            backoff: Backoff::new(RECONNECT_MIN, RECONNECT_MAX),
+            retry_at: None,
+        }
+    }
 }
 
 /// A confirm channel lent to one batch, with what it needs to know of its connection.
@@ -89,10 +100,7 @@ impl RabbitMqPublisher {
                     link.connection = Some(connection);
                 }
                 Err(e) => {
-                    let delay = link
-                        .backoff
-                        .map_or(RECONNECT_MIN, |d| (d * 2).min(RECONNECT_MAX));
-                    link.backoff = Some(delay);
+                    let delay = link.backoff.failed();
                     link.retry_at = Some(Instant::now() + delay);
                     // The relay reports the outage; this is the detail.
                     tracing::debug!(endpoint = %self.endpoint, error = %e, retry_in = ?delay, "connecting to RabbitMQ failed");
@@ -126,7 +134,7 @@ impl RabbitMqPublisher {
             }
         };
         let lent = Lent::new(channel, connection);
-        link.backoff = None;
+        link.backoff.reset();
         link.retry_at = None;
         Ok(lent)
     }
