@@ -298,7 +298,7 @@ impl Env {
         let outbox = outbox.build()?;
         let mut relay = outbox.relay(self.pool.clone(), self.publisher(exchange).await?);
         if !notify {
-            relay = relay.without_notify();
+            relay = relay.without_listen();
         }
         Ok((outbox, RunningRelay::start(relay.build()?)))
     }

@@ -262,7 +262,7 @@ impl Outbox {
                 .key
                 .unwrap_or_else(|| uuid::Uuid::new_v4().hyphenated().to_string());
             if !seen.insert(key.clone()) {
-                return Err(Error::invalid(format!(
+                return Err(Error::invalid_message(format!(
                     "idempotency key {key:?} appears twice in one enqueue_many call"
                 )));
             }

@@ -17,12 +17,13 @@ pub enum Error {
     #[error("invalid outbox table name: {0}")]
     InvalidTable(String),
 
-    /// A message, a dedupe call or an operation argument was rejected before any SQL ran.
+    /// A message (or a dedupe call's consumer or key) was rejected before any SQL ran.
     #[error("invalid input: {0}")]
     InvalidMessage(String),
 
-    /// A relay option was rejected by `build()`.
-    #[error("invalid relay option: {0}")]
+    /// An option or builder input was rejected by `build()` (or `connect()`), or an
+    /// operation's argument before any SQL ran.
+    #[error("invalid option: {0}")]
     InvalidOption(String),
 
     /// A message with this idempotency key is already in the outbox. The caller's
@@ -55,10 +56,6 @@ pub enum Error {
     #[error("database error: {0}")]
     Database(#[from] diesel::result::Error),
 
-    /// Connecting to the database failed.
-    #[error("database connection failed: {0}")]
-    Connection(#[source] BoxError),
-
     /// Checking a connection out of the pool failed.
     #[error("connection pool error: {0}")]
     Pool(#[source] BoxError),
@@ -86,8 +83,13 @@ impl Error {
         )
     }
 
-    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+    pub(crate) fn invalid_message(msg: impl Into<String>) -> Self {
         Error::InvalidMessage(msg.into())
+    }
+
+    /// An [`Error::InvalidOption`].
+    pub(crate) fn invalid_option(msg: impl Into<String>) -> Self {
+        Error::InvalidOption(msg.into())
     }
 
     /// Maps PostgreSQL's "relation does not exist" to [`Error::NotMigrated`] and

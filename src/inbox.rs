@@ -76,16 +76,16 @@ impl Outbox {
     pub(crate) fn dedupe_query(&self, consumer: &str, key: &str) -> Result<Bound<'_>> {
         for (what, value) in [("consumer", consumer), ("idempotency key", key)] {
             if value.is_empty() {
-                return Err(Error::invalid(format!("dedupe: {what} is empty")));
+                return Err(Error::invalid_message(format!("dedupe: {what} is empty")));
             }
             if value.len() > MAX_SHORT {
-                return Err(Error::invalid(format!(
+                return Err(Error::invalid_message(format!(
                     "dedupe: {what} is {} bytes, the limit is {MAX_SHORT}",
                     value.len()
                 )));
             }
             if value.contains('\0') {
-                return Err(Error::invalid(format!(
+                return Err(Error::invalid_message(format!(
                     "dedupe: {what} contains a NUL byte"
                 )));
             }

@@ -81,8 +81,9 @@ impl Message {
     /// # Errors
     /// [`Error::InvalidMessage`] when `value` cannot be serialised.
     pub fn json<T: Serialize + ?Sized>(topic: impl Into<String>, value: &T) -> Result<Self> {
-        let payload = serde_json::to_vec(value)
-            .map_err(|e| Error::invalid(format!("payload is not serialisable as JSON: {e}")))?;
+        let payload = serde_json::to_vec(value).map_err(|e| {
+            Error::invalid_message(format!("payload is not serialisable as JSON: {e}"))
+        })?;
         Ok(Message::new(topic, payload).content_type("application/json"))
     }
 
@@ -137,10 +138,10 @@ impl Message {
         let max_payload_bytes = limits.max_payload_bytes;
         let short = |what: &str, value: &str| -> Result<()> {
             if value.is_empty() {
-                return Err(Error::invalid(format!("{what} is empty")));
+                return Err(Error::invalid_message(format!("{what} is empty")));
             }
             if value.len() > MAX_SHORT {
-                return Err(Error::invalid(format!(
+                return Err(Error::invalid_message(format!(
                     "{what} is {} bytes, the limit is {MAX_SHORT}",
                     value.len()
                 )));
@@ -158,27 +159,27 @@ impl Message {
             short("content type", ct)?;
         }
         if self.payload.len() > max_payload_bytes {
-            return Err(Error::invalid(format!(
+            return Err(Error::invalid_message(format!(
                 "payload of topic {:?} is {} bytes, the limit (max_payload_bytes) is {max_payload_bytes}",
                 self.topic,
                 self.payload.len()
             )));
         }
         if self.delay > MAX_DELAY {
-            return Err(Error::invalid(format!(
+            return Err(Error::invalid_message(format!(
                 "delay of {:?} is absurd; the limit is 366 days",
                 self.delay
             )));
         }
         if self.headers.len() > MAX_HEADERS {
-            return Err(Error::invalid(format!(
+            return Err(Error::invalid_message(format!(
                 "{} headers, the limit is {MAX_HEADERS}",
                 self.headers.len()
             )));
         }
         let header_bytes: usize = self.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
         if header_bytes > limits.max_headers_bytes {
-            return Err(Error::invalid(format!(
+            return Err(Error::invalid_message(format!(
                 "headers of topic {:?} are {header_bytes} bytes (names and values), the limit \
                  (max_headers_bytes) is {}",
                 self.topic, limits.max_headers_bytes
@@ -188,12 +189,12 @@ impl Message {
             short("header name", name)?;
             let lower = name.to_ascii_lowercase();
             if lower.starts_with(RESERVED_HEADER_PREFIX) {
-                return Err(Error::invalid(format!(
+                return Err(Error::invalid_message(format!(
                     "header {name:?} is reserved: names starting with `x-outbox-` are set by the relay"
                 )));
             }
             if DANGEROUS_HEADERS.contains(&lower.as_str()) {
-                return Err(Error::invalid(format!(
+                return Err(Error::invalid_message(format!(
                     "header {name:?} is refused: RabbitMQ routes on CC and BCC"
                 )));
             }
@@ -218,7 +219,9 @@ pub(crate) struct Limits {
 
 fn no_nul(what: &str, value: &str) -> Result<()> {
     if value.contains('\0') {
-        return Err(Error::invalid(format!("{what} contains a NUL byte")));
+        return Err(Error::invalid_message(format!(
+            "{what} contains a NUL byte"
+        )));
     }
     Ok(())
 }

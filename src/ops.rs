@@ -274,7 +274,7 @@ impl Outbox {
     /// aggregate that overtook it while it was dead: redrive restores delivery, not order.
     ///
     /// # Errors
-    /// [`Error::InvalidMessage`] for an empty key; [`Error::NotMigrated`] or a database
+    /// [`Error::InvalidOption`] for an empty key; [`Error::NotMigrated`] or a database
     /// error.
     pub async fn redrive(
         &self,
@@ -282,7 +282,9 @@ impl Outbox {
         keys: &[&str],
     ) -> Result<Vec<String>> {
         if keys.iter().any(|k| k.is_empty()) {
-            return Err(Error::invalid("redrive: an idempotency key is empty"));
+            return Err(Error::invalid_option(
+                "redrive: an idempotency key is empty",
+            ));
         }
         let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
         let rows = self
@@ -301,7 +303,7 @@ impl Outbox {
     /// The oldest `limit` dead letters, in id order.
     ///
     /// # Errors
-    /// [`Error::InvalidMessage`] for a zero limit; [`Error::NotMigrated`] or a database
+    /// [`Error::InvalidOption`] for a zero limit; [`Error::NotMigrated`] or a database
     /// error.
     pub async fn dead_letters(
         &self,
@@ -309,7 +311,9 @@ impl Outbox {
         limit: u32,
     ) -> Result<Vec<DeadLetter>> {
         if limit == 0 {
-            return Err(Error::invalid("dead_letters: limit must be at least 1"));
+            return Err(Error::invalid_option(
+                "dead_letters: limit must be at least 1",
+            ));
         }
         let rows = self
             .statements()
@@ -329,7 +333,7 @@ impl Outbox {
     /// longer reported as a duplicate.
     ///
     /// # Errors
-    /// [`Error::InvalidMessage`] for an age that does not fit PostgreSQL's interval;
+    /// [`Error::InvalidOption`] for an age that does not fit PostgreSQL's interval;
     /// [`Error::NotMigrated`] or a database error.
     pub async fn purge_sent(
         &self,
@@ -396,7 +400,7 @@ pub(crate) fn purge_age(age: Duration) -> Result<i64> {
     // 100 years: far beyond any retention, well inside PostgreSQL's interval range.
     const MAX_AGE: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
     if age > MAX_AGE {
-        return Err(Error::invalid(format!(
+        return Err(Error::invalid_option(format!(
             "purge age of {age:?} is out of range; the limit is 100 years"
         )));
     }

@@ -175,17 +175,17 @@ impl OutboxBuilder {
     /// # Errors
     /// [`Error::InvalidTable`](crate::Error::InvalidTable) for a malformed name or one whose
     /// derived identifiers would exceed 63 bytes;
-    /// [`Error::InvalidMessage`](crate::Error::InvalidMessage) for a zero payload limit or a
+    /// [`Error::InvalidOption`](crate::Error::InvalidOption) for a zero payload limit or a
     /// header limit outside 1 byte to 1 MiB.
     pub fn build(self) -> Result<Outbox> {
         let table = TableName::parse(&self.table)?;
         if self.max_payload_bytes == 0 {
-            return Err(crate::Error::invalid(
+            return Err(crate::Error::invalid_option(
                 "max_payload_bytes must be at least 1",
             ));
         }
         if !(1..=1 << 20).contains(&self.max_headers_bytes) {
-            return Err(crate::Error::invalid(format!(
+            return Err(crate::Error::invalid_option(format!(
                 "max_headers_bytes {} must be 1..=1048576",
                 self.max_headers_bytes
             )));
@@ -202,5 +202,22 @@ impl OutboxBuilder {
                 notify: self.notify,
             }),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_limits_are_invalid_options() {
+        for builder in [
+            Outbox::builder().max_payload_bytes(0),
+            Outbox::builder().max_headers_bytes(0),
+            Outbox::builder().max_headers_bytes((1 << 20) + 1),
+        ] {
+            let err = builder.build().unwrap_err();
+            assert!(matches!(err, Error::InvalidOption(_)), "{err:?}");
+        }
     }
 }

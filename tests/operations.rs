@@ -139,7 +139,7 @@ async fn dead_letters_list_key_topic_attempts_and_error() {
     assert_eq!(outbox.dead_letters(&mut conn, 1).await.unwrap().len(), 1);
     assert!(matches!(
         outbox.dead_letters(&mut conn, 0).await,
-        Err(Error::InvalidMessage(_))
+        Err(Error::InvalidOption(_))
     ));
 }
 
@@ -208,7 +208,7 @@ async fn redrive_one_key_then_all_keeps_the_fencing_token() {
     assert!(outbox.redrive(&mut conn, &[]).await.unwrap().is_empty());
     assert!(matches!(
         outbox.redrive(&mut conn, &[""]).await,
-        Err(Error::InvalidMessage(_))
+        Err(Error::InvalidOption(_))
     ));
 }
 
@@ -270,7 +270,7 @@ async fn purge_sent_removes_only_old_sent_rows() {
         .purge_sent(&mut conn, Duration::from_secs(u64::MAX))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+    assert!(matches!(err, Error::InvalidOption(_)), "{err}");
     assert_eq!(
         statuses(&mut conn, &outbox).await.len(),
         4,
@@ -295,7 +295,7 @@ async fn purge_inbox_removes_only_old_records() {
         .purge_inbox(&mut conn, Duration::from_secs(u64::MAX))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+    assert!(matches!(err, Error::InvalidOption(_)), "{err}");
 
     let purged = outbox
         .purge_inbox(&mut conn, Duration::from_secs(7 * 86_400))

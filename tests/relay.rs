@@ -652,7 +652,7 @@ async fn one_aggregate_backlog_drains_without_waiting_for_polls() {
         .outbox
         .relay(f.pool.clone(), recorder.clone())
         .poll_interval(Duration::from_secs(3600))
-        .without_notify()
+        .without_listen()
         .build()
         .unwrap();
     let (stop, task) = spawn_relay(relay);
@@ -769,7 +769,7 @@ async fn without_notify_polling_finds_the_message() {
     let relay = quiet
         .relay(f.pool.clone(), recorder.clone())
         .poll_interval(Duration::from_millis(100))
-        .without_notify()
+        .without_listen()
         .build()
         .unwrap();
     let (stop, task) = spawn_relay(relay.clone());
@@ -856,8 +856,8 @@ async fn retention_purges_only_old_sent_rows_and_inbox_records() {
     let relay = f
         .outbox
         .relay(f.pool.clone(), Recorder::default())
-        .retention(Some(Duration::from_secs(3600)))
-        .inbox_retention(Some(Duration::from_secs(2 * 3600)))
+        .retention(Duration::from_secs(3600))
+        .inbox_retention(Duration::from_secs(2 * 3600))
         .build()
         .unwrap();
     let (stop, task) = spawn_relay(relay);
@@ -955,7 +955,7 @@ async fn a_relay_on_a_missing_table_says_to_migrate() {
         .unwrap();
     let relay = outbox
         .relay(common::pool(2).await, Recorder::default())
-        .without_notify()
+        .without_listen()
         .build()
         .unwrap();
     let err = relay.run_until(std::future::pending()).await.unwrap_err();
@@ -1083,7 +1083,7 @@ async fn a_batch_reads_only_its_rows_when_statistics_predate_the_backlog() {
         .outbox
         .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
         .batch_size(10)
-        .without_notify()
+        .without_listen()
         .build()
         .unwrap();
     assert_eq!(relay.run_once().await.unwrap(), 10);
@@ -1345,7 +1345,7 @@ async fn a_claim_reads_in_proportion_to_its_batch() {
         .outbox
         .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
         .batch_size(100)
-        .without_notify()
+        .without_listen()
         .build()
         .unwrap();
     let read_before = entries_read(&pool, &t).await;
@@ -1635,7 +1635,7 @@ async fn shutdown_is_bounded_by_the_drain_timeout_even_without_a_connection() {
                 }),
             )
             .drain_timeout(Duration::from_millis(200))
-            .without_notify()
+            .without_listen()
             .build()
             .unwrap()
     };
@@ -2015,7 +2015,7 @@ async fn shutdown_is_bounded_while_the_database_does_not_answer() {
         .relay(f.pool.clone(), Recorder::default())
         .drain_timeout(Duration::from_millis(200))
         .poll_interval(Duration::from_millis(20))
-        .without_notify()
+        .without_listen()
         .build()
         .unwrap();
     let (stop, task) = spawn_relay(relay);

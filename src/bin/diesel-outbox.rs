@@ -175,7 +175,7 @@ impl From<Error> for Failure {
     fn from(err: Error) -> Self {
         let code = match &err {
             Error::NotMigrated { .. } => NOT_MIGRATED,
-            Error::Connection(_) | Error::Pool(_) | Error::Publish(_) => CONNECTION,
+            Error::Pool(_) | Error::Publish(_) => CONNECTION,
             e if e.is_invalid_input() => USAGE,
             _ => 1,
         };
@@ -505,7 +505,7 @@ async fn start_relay(
         .retention(args.retention.0)
         .inbox_retention(args.inbox_retention.0);
     if args.without_notify {
-        builder = builder.without_notify();
+        builder = builder.without_listen();
     }
     if let Some(bytes) = args.max_batch_bytes {
         builder = builder.max_batch_bytes(bytes);

@@ -134,7 +134,7 @@ impl<P: Publisher> RelayBuilder<P> {
 
     /// Do not LISTEN for wake-ups: find work by polling only. Use it behind a pooler in
     /// transaction mode. Defaults to listening on a dedicated connection.
-    pub fn without_notify(mut self) -> Self {
+    pub fn without_listen(mut self) -> Self {
         self.options.listen = false;
         self
     }
@@ -148,16 +148,16 @@ impl<P: Publisher> RelayBuilder<P> {
     /// Sent rows older than this are purged by the relay, in small batches; `None` keeps
     /// them. While a sent row exists, enqueueing its key again is reported as a duplicate.
     /// Defaults to 7 days.
-    pub fn retention(mut self, retention: Option<Duration>) -> Self {
-        self.options.retention = retention;
+    pub fn retention(mut self, retention: impl Into<Option<Duration>>) -> Self {
+        self.options.retention = retention.into();
         self
     }
 
     /// Inbox (dedupe) records older than this are purged by the relay; `None` keeps them.
     /// A redelivery older than this is no longer detected as a duplicate, so keep it longer
     /// than the broker can hold a message. Defaults to 30 days.
-    pub fn inbox_retention(mut self, retention: Option<Duration>) -> Self {
-        self.options.inbox_retention = retention;
+    pub fn inbox_retention(mut self, retention: impl Into<Option<Duration>>) -> Self {
+        self.options.inbox_retention = retention.into();
         self
     }
 
@@ -320,7 +320,7 @@ impl<P: Publisher> Relay<P> {
     /// `drain_timeout` and their outcomes are recorded; claimed records not yet started,
     /// and publishes cut off by the timeout, are released at once with their attempt
     /// restored. It returns within the drain timeout and about a second more, whether or
-    /// not the database answers. Also runs the LISTEN connection (unless `without_notify`)
+    /// not the database answers. Also runs the LISTEN connection (unless `without_listen`)
     /// and the retention janitor (unless both retentions are `None`) while it runs.
     ///
     /// Database and publish failures are logged and retried; a broker that cannot be
