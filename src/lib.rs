@@ -170,6 +170,7 @@
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 
 mod backoff;
+pub mod defaults;
 mod enqueue;
 mod error;
 mod inbox;
@@ -187,10 +188,10 @@ pub mod sync;
 pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::inbox::DedupeExt;
-pub use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Message};
+pub use crate::message::Message;
 pub use crate::metrics::{Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
-pub use crate::outbox::{DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_TABLE, Outbox, OutboxBuilder};
+pub use crate::outbox::{Outbox, OutboxBuilder};
 #[cfg(feature = "rabbitmq")]
 pub use crate::publisher::rabbitmq;
 pub use crate::publisher::{

@@ -15,8 +15,6 @@ const DANGEROUS_HEADERS: &[&str] = &["cc", "bcc"];
 pub(crate) const MAX_HEADERS: usize = 64;
 /// AMQP short strings (message id, routing key, header names, content type) end here.
 pub(crate) const MAX_SHORT: usize = 255;
-/// The default limit on a message's headers: 64 KiB of names and values.
-pub const DEFAULT_MAX_HEADERS_BYTES: usize = 64 * 1024;
 /// The longest delay accepted: anything longer is almost certainly a unit mistake.
 pub(crate) const MAX_DELAY: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
@@ -232,7 +230,7 @@ mod tests {
 
     const MAX: Limits = Limits {
         max_payload_bytes: 16 * 1024 * 1024,
-        max_headers_bytes: DEFAULT_MAX_HEADERS_BYTES,
+        max_headers_bytes: crate::defaults::MAX_HEADERS_BYTES,
     };
 
     fn rejected(msg: Message) -> String {

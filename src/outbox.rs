@@ -3,14 +3,10 @@
 use std::fmt;
 use std::sync::{Arc, LazyLock};
 
+use crate::defaults;
 use crate::error::{Error, Result};
-use crate::message::{DEFAULT_MAX_HEADERS_BYTES, Limits};
+use crate::message::Limits;
 use crate::sql::{Statements, TableName};
-
-/// The default table name.
-pub const DEFAULT_TABLE: &str = "outbox";
-/// The default payload limit: 16 MiB.
-pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
 
 /// An outbox table: its name, its limits, and every SQL statement rendered for it.
 ///
@@ -126,9 +122,9 @@ pub struct OutboxBuilder {
 impl Default for OutboxBuilder {
     fn default() -> Self {
         OutboxBuilder {
-            table: DEFAULT_TABLE.to_owned(),
-            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
-            max_headers_bytes: DEFAULT_MAX_HEADERS_BYTES,
+            table: defaults::TABLE.to_owned(),
+            max_payload_bytes: defaults::MAX_PAYLOAD_BYTES,
+            max_headers_bytes: defaults::MAX_HEADERS_BYTES,
             notify: true,
         }
     }

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use crate::backoff;
 use crate::error::{Error, Result};
+use crate::{backoff, defaults};
 
 /// Relay settings; every field is set through [`RelayBuilder`](super::RelayBuilder).
 #[derive(Debug, Clone)]
@@ -22,26 +22,21 @@ pub(crate) struct Options {
     pub(crate) max_batch_bytes: usize,
 }
 
-pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
-pub(crate) const DEFAULT_INBOX_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
-/// The default byte budget of one claim: 16 MiB.
-pub(crate) const DEFAULT_MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
-
 impl Default for Options {
     fn default() -> Self {
         Options {
-            batch_size: 100,
-            concurrency: 4,
-            lease: Duration::from_secs(30),
-            poll_interval: Duration::from_secs(2),
-            max_attempts: 10,
-            backoff_min: Duration::from_secs(1),
-            backoff_max: Duration::from_secs(5 * 60),
-            drain_timeout: Duration::from_secs(10),
+            batch_size: defaults::BATCH_SIZE,
+            concurrency: defaults::CONCURRENCY,
+            lease: defaults::LEASE,
+            poll_interval: defaults::POLL_INTERVAL,
+            max_attempts: defaults::MAX_ATTEMPTS,
+            backoff_min: defaults::BACKOFF_MIN,
+            backoff_max: defaults::BACKOFF_MAX,
+            drain_timeout: defaults::DRAIN_TIMEOUT,
             listen: true,
-            retention: Some(DEFAULT_RETENTION),
-            inbox_retention: Some(DEFAULT_INBOX_RETENTION),
-            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
+            retention: Some(defaults::RETENTION),
+            inbox_retention: Some(defaults::INBOX_RETENTION),
+            max_batch_bytes: defaults::MAX_BATCH_BYTES,
         }
     }
 }

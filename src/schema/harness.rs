@@ -47,7 +47,7 @@ impl Outbox {
     /// # Ok(()) }
     /// ```
     pub fn migrations(&self) -> OutboxMigrations {
-        let default = self.table() == crate::outbox::DEFAULT_TABLE;
+        let default = self.table() == crate::defaults::TABLE;
         let suffix = if default {
             String::new()
         } else {

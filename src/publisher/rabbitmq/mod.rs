@@ -122,7 +122,7 @@ impl RabbitMqPublisher {
             url: url.into(),
             exchange: exchange.into(),
             mandatory: true,
-            confirm_timeout: Duration::from_secs(10),
+            confirm_timeout: crate::defaults::CONFIRM_TIMEOUT,
         }
     }
 

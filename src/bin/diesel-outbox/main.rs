@@ -1,0 +1,283 @@
+//! `diesel-outbox`: migrate, inspect, redrive, purge and relay an outbox from the shell.
+//!
+//! One file per group of subcommands (`schema`: migrate and sql; `ops`: stats, dead,
+//! redrive, purge; `relay`), the argument types in `args`, redaction of every URL-valued
+//! argument in `secret`, and output through any writer in `output`.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod args;
+mod ops;
+mod output;
+mod relay;
+mod schema;
+mod secret;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_outbox::{Error, Outbox};
+
+use crate::output::Output;
+use crate::secret::{SecretUrl, Secrets};
+
+/// Exit codes: 0 success, 1 other failure, 2 usage error, 3 connection failure, 4 table not
+/// migrated.
+const USAGE: u8 = 2;
+const CONNECTION: u8 = 3;
+const NOT_MIGRATED: u8 = 4;
+
+#[derive(Parser)]
+#[command(
+    name = "diesel-outbox",
+    version,
+    about = "Operate a diesel-outbox table: migrate, inspect, redrive, purge, relay.",
+    after_help = "Exit codes: 0 success, 1 failure, 2 usage error, 3 connection failure \
+                  (database or broker), 4 table not migrated."
+)]
+struct Cli {
+    /// PostgreSQL URL.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    database_url: Option<SecretUrl>,
+
+    /// Outbox table: `name` or `schema.name`.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = diesel_outbox::defaults::TABLE, global = true)]
+    table: String,
+
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or upgrade the outbox and inbox tables (safe to run on every start).
+    Migrate,
+    /// Print the schema statements, or write them as diesel CLI migration folders.
+    Sql(schema::SqlArgs),
+    /// Show pending, in-flight, sent and dead counts and the lag.
+    Stats,
+    /// List dead letters with their last error.
+    Dead(ops::DeadArgs),
+    /// Make dead letters pending again (all of them when no key is given).
+    Redrive(ops::RedriveArgs),
+    /// Delete old sent rows and inbox (dedupe) records.
+    Purge(ops::PurgeArgs),
+    /// Run a relay to RabbitMQ until SIGINT or SIGTERM, then drain and exit.
+    Relay(relay::RelayArgs),
+}
+
+/// A failure with its exit code; its message is redacted before it is printed.
+#[derive(Debug)]
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    fn new(code: u8, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(err: Error) -> Self {
+        let code = match &err {
+            Error::NotMigrated { .. } => NOT_MIGRATED,
+            Error::Pool(_) | Error::Publish(_) => CONNECTION,
+            e if e.is_invalid_input() => USAGE,
+            _ => 1,
+        };
+        Failure::new(code, err.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let matches = Cli::command().get_matches();
+    let secrets = Secrets::of(&matches);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut stdout = std::io::stdout();
+    let result = runtime.block_on(run(cli, &mut stdout));
+    ExitCode::from(report(result, &secrets, &mut std::io::stderr()))
+}
+
+/// Prints a failure, redacted, and returns the exit code.
+fn report(result: Result<(), Failure>, secrets: &Secrets, stderr: &mut dyn Write) -> u8 {
+    match result {
+        Ok(()) => 0,
+        Err(failure) => {
+            let _ = writeln!(stderr, "error: {}", secrets.redact(&failure.message));
+            failure.code
+        }
+    }
+}
+
+/// Runs one command, writing its output to `out`.
+async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Failure> {
+    let outbox = Outbox::builder().table(&cli.table).build()?;
+    let mut output = Output::new(cli.json, out);
+    if let Command::Sql(args) = &cli.command {
+        return schema::sql(&outbox, args, &mut output);
+    }
+    let url = cli.database_url.ok_or_else(|| {
+        Failure::new(
+            USAGE,
+            "no database: pass --database-url or set DATABASE_URL",
+        )
+    })?;
+    if let Command::Relay(args) = cli.command {
+        return relay::run(&outbox, &url, args).await;
+    }
+    let mut conn = AsyncPgConnection::establish(url.expose())
+        .await
+        .map_err(|e| Failure::new(CONNECTION, format!("cannot connect to the database: {e}")))?;
+    match cli.command {
+        Command::Migrate => schema::migrate(&outbox, &mut conn, &mut output).await,
+        Command::Stats => ops::stats(&outbox, &mut conn, &mut output).await,
+        Command::Dead(args) => ops::dead(&outbox, &mut conn, args, &mut output).await,
+        Command::Redrive(args) => ops::redrive(&outbox, &mut conn, args, &mut output).await,
+        Command::Purge(args) => ops::purge(&outbox, &mut conn, args, &mut output).await,
+        Command::Sql(_) | Command::Relay(_) => unreachable!("handled above"),
+    }
+}
+
+/// The binary's commands run in process, against the local database.
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs the CLI in process as the binary would, returning its exit code, stdout and
+    /// stderr.
+    pub(crate) async fn cli(args: &[&str]) -> (u8, String, String) {
+        let database = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        let argv = ["diesel-outbox", "--database-url", &database]
+            .into_iter()
+            .chain(args.iter().copied());
+        let matches = Cli::command()
+            .try_get_matches_from(argv)
+            .expect("valid arguments");
+        let secrets = Secrets::of(&matches);
+        let cli = Cli::from_arg_matches(&matches).unwrap();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = report(run(cli, &mut out).await, &secrets, &mut err);
+        (
+            code,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+
+    fn unique(prefix: &str) -> String {
+        format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+    }
+
+    #[tokio::test]
+    async fn migrate_stats_dead_redrive_and_purge_in_process() {
+        let schema = unique("cli");
+        let table = format!("{schema}.events");
+        let (code, out, err) = cli(&["--table", &table, "migrate", "--json"]).await;
+        assert_eq!(code, 0, "{err}");
+        let migrated: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(migrated["migrated"], true);
+
+        let (code, out, _) = cli(&["--table", &table, "stats"]).await;
+        assert_eq!(code, 0);
+        assert!(out.contains("pending") && out.contains(&table), "{out}");
+
+        let (code, out, _) = cli(&["--table", &table, "dead"]).await;
+        assert_eq!(code, 0);
+        assert_eq!(out.trim(), "no dead letters");
+
+        let (code, out, _) = cli(&["--table", &table, "redrive", "--json"]).await;
+        assert_eq!(code, 0);
+        assert_eq!(out.trim(), r#"{"redriven":[]}"#);
+
+        let (code, out, _) = cli(&["--table", &table, "purge", "--json"]).await;
+        assert_eq!(code, 0);
+        assert_eq!(out.trim(), r#"{"inbox_records":0,"sent_rows":0}"#);
+
+        let (code, _, err) = cli(&["--table", &format!("{schema}.missing"), "stats"]).await;
+        assert_eq!(code, NOT_MIGRATED, "{err}");
+        assert!(err.contains("run `migrate` first"), "{err}");
+
+        let mut conn = AsyncPgConnection::establish(
+            &std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
+        )
+        .await
+        .unwrap();
+        diesel_async::SimpleAsyncConnection::batch_execute(
+            &mut conn,
+            &format!("DROP SCHEMA \"{schema}\" CASCADE"),
+        )
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_database_password_never_reaches_stderr() {
+        let argv = [
+            "diesel-outbox",
+            "--database-url",
+            "postgres://postgres:hunter2@127.0.0.1:1/test",
+            "stats",
+        ];
+        let matches = Cli::command().try_get_matches_from(argv).unwrap();
+        let secrets = Secrets::of(&matches);
+        let cli = Cli::from_arg_matches(&matches).unwrap();
+        let mut err = Vec::new();
+        let code = report(run(cli, &mut Vec::new()).await, &secrets, &mut err);
+        let err = String::from_utf8(err).unwrap();
+        assert_eq!(code, CONNECTION, "{err}");
+        assert!(err.contains("cannot connect to the database"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn the_relay_defaults_are_the_librarys() {
+        use diesel_outbox::defaults;
+        let matches = Cli::command()
+            .try_get_matches_from([
+                "diesel-outbox",
+                "relay",
+                "--exchange",
+                "x",
+                "--amqp-url",
+                "amqp://x",
+            ])
+            .unwrap();
+        let Command::Relay(args) = Cli::from_arg_matches(&matches).unwrap().command else {
+            panic!("relay");
+        };
+        assert_eq!(args.batch_size, defaults::BATCH_SIZE);
+        assert_eq!(args.concurrency, defaults::CONCURRENCY);
+        assert_eq!(args.lease.0, defaults::LEASE);
+        assert_eq!(args.poll_interval.0, defaults::POLL_INTERVAL);
+        assert_eq!(args.max_attempts, defaults::MAX_ATTEMPTS);
+        assert_eq!(args.backoff_min.0, defaults::BACKOFF_MIN);
+        assert_eq!(args.backoff_max.0, defaults::BACKOFF_MAX);
+        assert_eq!(args.drain_timeout.0, defaults::DRAIN_TIMEOUT);
+        assert_eq!(args.retention.0, Some(defaults::RETENTION));
+        assert_eq!(args.inbox_retention.0, Some(defaults::INBOX_RETENTION));
+        assert_eq!(args.confirm_timeout.0, defaults::CONFIRM_TIMEOUT);
+        assert_eq!(args.max_batch_bytes, defaults::MAX_BATCH_BYTES);
+    }
+}

@@ -1,0 +1,233 @@
+//! `relay`: a relay to RabbitMQ until SIGINT or SIGTERM, then a drain. Its options default
+//! to the library's (`diesel_outbox::defaults`); its logs leave out what dependencies would
+//! print of payloads and credentials.
+
+use clap::Args;
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_outbox::defaults;
+use diesel_outbox::rabbitmq::RabbitMqPublisher;
+use diesel_outbox::{Error, Outbox, PgPool};
+use futures_util::FutureExt;
+
+use crate::args::{Age, Span};
+use crate::secret::SecretUrl;
+use crate::{CONNECTION, Failure};
+
+#[derive(Args)]
+pub(crate) struct RelayArgs {
+    /// RabbitMQ URL.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: SecretUrl,
+    /// Exchange to publish to (must exist).
+    #[arg(long, env = "OUTBOX_EXCHANGE")]
+    exchange: String,
+    /// Rows claimed per cycle.
+    #[arg(long, default_value_t = defaults::BATCH_SIZE)]
+    pub(crate) batch_size: usize,
+    /// Publishes in flight for one-by-one publishing.
+    #[arg(long, default_value_t = defaults::CONCURRENCY)]
+    pub(crate) concurrency: usize,
+    /// Claim lease.
+    #[arg(long, default_value_t = Span(defaults::LEASE), allow_hyphen_values = true)]
+    pub(crate) lease: Span,
+    /// Poll interval when not woken.
+    #[arg(long, default_value_t = Span(defaults::POLL_INTERVAL), allow_hyphen_values = true)]
+    pub(crate) poll_interval: Span,
+    /// Attempts before a message is dead-lettered.
+    #[arg(long, default_value_t = defaults::MAX_ATTEMPTS)]
+    pub(crate) max_attempts: u32,
+    /// Smallest retry backoff.
+    #[arg(long, default_value_t = Span(defaults::BACKOFF_MIN), allow_hyphen_values = true)]
+    pub(crate) backoff_min: Span,
+    /// Largest retry backoff.
+    #[arg(long, default_value_t = Span(defaults::BACKOFF_MAX), allow_hyphen_values = true)]
+    pub(crate) backoff_max: Span,
+    /// How long publishes under way may finish on shutdown.
+    #[arg(long, default_value_t = Span(defaults::DRAIN_TIMEOUT), allow_hyphen_values = true)]
+    pub(crate) drain_timeout: Span,
+    /// Poll only; do not LISTEN for wake-ups (behind a pooler in transaction mode).
+    #[arg(long)]
+    without_listen: bool,
+    /// Purge sent rows older than this; `off` keeps them.
+    #[arg(long, default_value_t = Age(Some(defaults::RETENTION)), allow_hyphen_values = true)]
+    pub(crate) retention: Age,
+    /// Purge inbox records older than this; `off` keeps them.
+    #[arg(long, default_value_t = Age(Some(defaults::INBOX_RETENTION)), allow_hyphen_values = true)]
+    pub(crate) inbox_retention: Age,
+    /// Broker confirm timeout per batch.
+    #[arg(long, default_value_t = Span(defaults::CONFIRM_TIMEOUT), allow_hyphen_values = true)]
+    pub(crate) confirm_timeout: Span,
+    /// The most payload and header bytes one claim takes (at least one row).
+    #[arg(long, default_value_t = defaults::MAX_BATCH_BYTES)]
+    pub(crate) max_batch_bytes: usize,
+    /// Database connections in the relay's pool (plus one for LISTEN).
+    #[arg(long, default_value_t = 4)]
+    pool_size: u32,
+}
+
+pub(crate) async fn run(
+    outbox: &Outbox,
+    database_url: &SecretUrl,
+    args: RelayArgs,
+) -> Result<(), Failure> {
+    tracing_subscriber::fmt()
+        .with_env_filter(log_filter(std::env::var("RUST_LOG").ok().as_deref()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    // Installed before anything else, so a signal during start-up stops the process cleanly
+    // too (rather than killing it).
+    let shutdown = shutdown_signal().shared();
+    let relay = tokio::select! {
+        relay = start(outbox, database_url, &args) => relay?,
+        () = shutdown.clone() => return Ok(()),
+    };
+    relay.run_until(shutdown).await?;
+    Ok(())
+}
+
+/// Connects to the database and the broker and builds the relay.
+async fn start(
+    outbox: &Outbox,
+    database_url: &SecretUrl,
+    args: &RelayArgs,
+) -> Result<diesel_outbox::Relay<RabbitMqPublisher>, Failure> {
+    let pool = PgPool::builder()
+        .max_size(args.pool_size.max(1))
+        .test_on_check_out(false)
+        .build(AsyncDieselConnectionManager::new(database_url.expose()))
+        .await
+        .map_err(|e| Failure::new(CONNECTION, format!("cannot build the pool: {e}")))?;
+    // Fail fast when the table is missing rather than on the first cycle.
+    {
+        let mut conn = pool.get().await.map_err(Error::from)?;
+        outbox.stats(&mut conn).await?;
+    }
+    let publisher = RabbitMqPublisher::builder(args.amqp_url.expose(), &args.exchange)
+        .confirm_timeout(args.confirm_timeout.0)
+        .connect()
+        .await?;
+    let mut builder = outbox
+        .relay(pool, publisher)
+        .batch_size(args.batch_size)
+        .concurrency(args.concurrency)
+        .lease(args.lease.0)
+        .poll_interval(args.poll_interval.0)
+        .max_attempts(args.max_attempts)
+        .backoff(args.backoff_min.0, args.backoff_max.0)
+        .drain_timeout(args.drain_timeout.0)
+        .retention(args.retention.0)
+        .inbox_retention(args.inbox_retention.0)
+        .max_batch_bytes(args.max_batch_bytes);
+    if args.without_listen {
+        builder = builder.without_listen();
+    }
+    Ok(builder.build()?)
+}
+
+/// Targets of dependencies that log payloads or credentials, and the most they may log:
+/// lapin logs returned messages (payload included) at warn and every frame (the login's
+/// password included) at trace; amq-protocol logs the broker URL at trace; tokio-postgres
+/// logs bound parameters (payloads) at debug.
+const QUIET: &[(&str, &str)] = &[
+    ("lapin", "error"),
+    ("amq_protocol", "info"),
+    ("tokio_postgres", "info"),
+];
+
+/// `RUST_LOG` (or `info`), with [`QUIET`]'s directives added for every target it does not
+/// name itself.
+fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
+    let spec = rust_log.filter(|s| !s.trim().is_empty()).unwrap_or("info");
+    const LEVELS: &[&str] = &["trace", "debug", "info", "warn", "error", "off"];
+    // A directive names a target when it is `target`, `target=level` or `target[span]=..`.
+    let named = |target: &str| {
+        spec.split(',').any(|directive| {
+            let directive = directive.trim();
+            let name = match directive.split_once('=') {
+                Some((name, _)) => name,
+                None if LEVELS.contains(&directive.to_ascii_lowercase().as_str()) => return false,
+                None => directive,
+            };
+            let name = name.split('[').next().unwrap_or_default().trim();
+            !name.is_empty() && (name.starts_with(target) || target.starts_with(name))
+        })
+    };
+    let mut directives = vec![spec.to_owned()];
+    for (target, level) in QUIET {
+        if !named(target) {
+            directives.push(format!("{target}={level}"));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(directives.join(",")).unwrap_or_else(|_| {
+        let mut fallback = vec!["info".to_owned()];
+        fallback.extend(QUIET.iter().map(|(t, l)| format!("{t}={l}")));
+        tracing_subscriber::EnvFilter::new(fallback.join(","))
+    })
+}
+
+/// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when
+/// the future is first polled.
+fn shutdown_signal() -> futures_util::future::BoxFuture<'static, ()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let interrupt = signal(SignalKind::interrupt());
+        let terminate = signal(SignalKind::terminate());
+        Box::pin(async move {
+            match (interrupt, terminate) {
+                (Ok(mut interrupt), Ok(mut terminate)) => {
+                    tokio::select! {
+                        _ = interrupt.recv() => {}
+                        _ = terminate.recv() => {}
+                    }
+                }
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+            tracing::info!("shutdown signal received");
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        Box::pin(async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutdown signal received");
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shown(rust_log: Option<&str>) -> String {
+        log_filter(rust_log).to_string()
+    }
+
+    #[test]
+    fn the_quiet_targets_are_added_unless_named() {
+        for spec in [
+            None,
+            Some(""),
+            Some("info"),
+            Some("trace"),
+            Some("diesel_outbox=trace"),
+        ] {
+            let filter = shown(spec);
+            for (target, level) in QUIET {
+                assert!(
+                    filter.contains(&format!("{target}={level}")),
+                    "{spec:?}: {filter}"
+                );
+            }
+        }
+        let named = shown(Some("trace,lapin=debug"));
+        assert!(
+            named.contains("lapin=debug") && !named.contains("lapin=error"),
+            "{named}"
+        );
+        assert!(named.contains("tokio_postgres=info"), "{named}");
+    }
+}

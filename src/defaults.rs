@@ -1,0 +1,41 @@
+//! The default of every option, in one place: the builders start from these, and tools
+//! that show defaults (the `diesel-outbox` binary's `--help`) take them from here.
+
+use std::time::Duration;
+
+const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The outbox table's name, [`Outbox::new`](crate::Outbox::new)'s table.
+pub const TABLE: &str = "outbox";
+/// [`OutboxBuilder::max_payload_bytes`](crate::OutboxBuilder::max_payload_bytes): 16 MiB.
+pub const MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
+/// [`OutboxBuilder::max_headers_bytes`](crate::OutboxBuilder::max_headers_bytes): 64 KiB.
+pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
+
+/// [`RelayBuilder::batch_size`](crate::RelayBuilder::batch_size).
+pub const BATCH_SIZE: usize = 100;
+/// [`RelayBuilder::concurrency`](crate::RelayBuilder::concurrency).
+pub const CONCURRENCY: usize = 4;
+/// [`RelayBuilder::lease`](crate::RelayBuilder::lease).
+pub const LEASE: Duration = Duration::from_secs(30);
+/// [`RelayBuilder::poll_interval`](crate::RelayBuilder::poll_interval).
+pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
+/// [`RelayBuilder::max_attempts`](crate::RelayBuilder::max_attempts).
+pub const MAX_ATTEMPTS: u32 = 10;
+/// [`RelayBuilder::backoff`](crate::RelayBuilder::backoff)'s minimum.
+pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
+/// [`RelayBuilder::backoff`](crate::RelayBuilder::backoff)'s maximum.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(5 * 60);
+/// [`RelayBuilder::drain_timeout`](crate::RelayBuilder::drain_timeout).
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// [`RelayBuilder::retention`](crate::RelayBuilder::retention) of sent rows.
+pub const RETENTION: Duration = Duration::from_secs(7 * DAY.as_secs());
+/// [`RelayBuilder::inbox_retention`](crate::RelayBuilder::inbox_retention).
+pub const INBOX_RETENTION: Duration = Duration::from_secs(30 * DAY.as_secs());
+/// [`RelayBuilder::max_batch_bytes`](crate::RelayBuilder::max_batch_bytes): 16 MiB.
+pub const MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
+
+/// The RabbitMQ publisher's
+/// [`confirm_timeout`](crate::rabbitmq::RabbitMqPublisherBuilder::confirm_timeout).
+#[cfg(feature = "rabbitmq")]
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
