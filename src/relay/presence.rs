@@ -8,7 +8,8 @@ use diesel::sql_types::{BigInt, Bool, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use tokio::time::Instant;
 
-use super::{Relay, Run, or_stop};
+use super::Relay;
+use super::run::{Run, or_stop};
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Publisher;
@@ -146,13 +147,7 @@ impl<P: Publisher> Relay<P> {
         blocked: Option<Duration>,
     ) -> bool {
         let inner = &self.inner;
-        let writing = async {
-            let mut conn = inner.pool.get().await?;
-            inner
-                .outbox
-                .set_relay_state(&mut conn, &run.id, idle, IDLE_TTL, blocked)
-                .await
-        };
+        let writing = inner.store.set_state(&run.id, idle, IDLE_TTL, blocked);
         let result = or_stop(&run.stop, writing).await.unwrap_or(Ok(()));
         if let Err(e) = &result {
             tracing::debug!(table = %inner.outbox.table(), error = %e, idle, "recording relay state failed");
@@ -163,11 +158,7 @@ impl<P: Publisher> Relay<P> {
     /// Removes this run's record in `<table>_relays` (and any expired ones).
     pub(super) async fn forget(&self, run: &Run) {
         let inner = &self.inner;
-        let result = async {
-            let mut conn = inner.pool.get().await?;
-            inner.outbox.remove_relay(&mut conn, &run.id).await
-        }
-        .await;
+        let result = inner.store.forget(&run.id).await;
         if let Err(e) = result {
             tracing::debug!(table = %inner.outbox.table(), error = %e, "removing relay state failed");
         }

@@ -14,8 +14,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::Relay;
+use super::run::MAX_STALLED;
 use super::store::{Batch, Claimed, Outcome};
-use super::{MAX_STALLED, Relay};
 use crate::publisher::{PublishError, Publisher, Record};
 
 /// A batch whose wave has run this long with nothing left to start is stalled: it gives its
@@ -519,7 +520,7 @@ impl<P: Publisher> Relay<P> {
                         outcomes.flush_if_idle();
                     }
                 }
-                () = super::until_stopped(&mut stop), if wave.drain.deadline.is_none() => {
+                () = super::run::until_stopped(&mut stop), if wave.drain.deadline.is_none() => {
                     wave.drain.deadline = Some(Instant::now() + options.drain_timeout);
                     tracing::info!(
                         table = %inner.outbox.table(), drain_timeout = ?options.drain_timeout,

@@ -11,9 +11,17 @@ use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Nullable, Text, Tim
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use tokio::time::Instant;
 
+use futures_util::future::BoxFuture;
+use tokio::sync::watch;
+
 use super::options::Options;
+use super::run::{RECORD_GRACE, until_stopped};
+use super::{PgPool, Relay};
+use crate::backoff::Backoff;
+use crate::error::Error;
 use crate::error::Result;
 use crate::outbox::Outbox;
+use crate::publisher::Publisher;
 use crate::publisher::Record;
 use crate::sql::{Bound, NoParams, Sql, TableName, micros, statement};
 
@@ -49,10 +57,10 @@ statement! {
 }
 
 /// Outcome kinds bound into [`RecordOutcomes::kinds`].
-const OUTCOME_SENT: &str = "sent";
-const OUTCOME_RETRY: &str = "retry";
-const OUTCOME_DEAD: &str = "dead";
-const OUTCOME_RELEASE: &str = "release";
+pub(crate) const OUTCOME_SENT: &str = "sent";
+pub(crate) const OUTCOME_RETRY: &str = "retry";
+pub(crate) const OUTCOME_DEAD: &str = "dead";
+pub(crate) const OUTCOME_RELEASE: &str = "release";
 
 /// A claim reads at least this many successors of an aggregate head, to see whether another
 /// relay holds leases further down that aggregate.
@@ -468,6 +476,151 @@ impl Outbox {
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(row.due)
+    }
+}
+
+/// What the relay needs of its table: the statements of this file, and presence. The real
+/// one, [`PgStore`], runs them on the pool; the relay's own unit tests drive the loop on one
+/// in memory.
+pub(crate) trait Store: Send + Sync + 'static {
+    /// Claims a batch (see [`Statements::render`]).
+    fn claim<'a>(&'a self, options: &'a Options) -> BoxFuture<'a, Result<Batch>>;
+    /// Records outcomes; returns how many were fenced off.
+    fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>>;
+    /// Whether any pending row is due and unleased.
+    fn due(&self) -> BoxFuture<'_, Result<bool>>;
+    /// Upserts this relay's record in `<table>_relays`.
+    fn set_state<'a>(
+        &'a self,
+        relay_id: &'a str,
+        idle: bool,
+        ttl: Duration,
+        blocked_for: Option<Duration>,
+    ) -> BoxFuture<'a, Result<()>>;
+    /// Removes this relay's record (and every expired one).
+    fn forget<'a>(&'a self, relay_id: &'a str) -> BoxFuture<'a, Result<()>>;
+    /// The pool, for what keeps connections of its own (the LISTEN connection, the
+    /// janitor); `None` for a store without a database.
+    fn pool(&self) -> Option<&PgPool>;
+}
+
+/// The table on PostgreSQL: each call checks a connection out of the pool.
+pub(crate) struct PgStore {
+    pub(crate) outbox: Outbox,
+    pub(crate) pool: PgPool,
+}
+
+impl Store for PgStore {
+    fn claim<'a>(&'a self, options: &'a Options) -> BoxFuture<'a, Result<Batch>> {
+        Box::pin(async move {
+            let mut conn = self.pool.get().await?;
+            self.outbox.claim(&mut conn, options).await
+        })
+    }
+
+    fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>> {
+        Box::pin(async move {
+            let mut conn = self.pool.get().await?;
+            self.outbox.record_outcomes(&mut conn, outcomes).await
+        })
+    }
+
+    fn due(&self) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async move {
+            let mut conn = self.pool.get().await?;
+            self.outbox.anything_due(&mut conn).await
+        })
+    }
+
+    fn set_state<'a>(
+        &'a self,
+        relay_id: &'a str,
+        idle: bool,
+        ttl: Duration,
+        blocked_for: Option<Duration>,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut conn = self.pool.get().await?;
+            self.outbox
+                .set_relay_state(&mut conn, relay_id, idle, ttl, blocked_for)
+                .await
+        })
+    }
+
+    fn forget<'a>(&'a self, relay_id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let mut conn = self.pool.get().await?;
+            self.outbox.remove_relay(&mut conn, relay_id).await
+        })
+    }
+
+    fn pool(&self) -> Option<&PgPool> {
+        Some(&self.pool)
+    }
+}
+
+impl<P: Publisher> Relay<P> {
+    /// Records outcomes, retrying until `by`, or until [`RECORD_GRACE`] after `stop` turns
+    /// true: a row whose outcome is lost stays leased until its lease ends and is then
+    /// published again.
+    pub(super) async fn record(
+        &self,
+        outcomes: &[Outcome],
+        by: Instant,
+        stop: Option<watch::Receiver<bool>>,
+    ) {
+        if outcomes.is_empty() {
+            return;
+        }
+        let inner = &self.inner;
+        let started = Instant::now();
+        let attempts = async {
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+            let mut attempt = 0u32;
+            loop {
+                attempt += 1;
+                match inner.store.record(outcomes).await {
+                    Ok(fenced) => return Ok(fenced),
+                    Err(e) => {
+                        tracing::warn!(table = %inner.outbox.table(), error = %e, attempt, "recording outcomes failed; retrying");
+                        tokio::time::sleep(backoff.failed()).await;
+                    }
+                }
+            }
+        };
+        let shutdown = async {
+            match stop {
+                Some(mut stop) => {
+                    until_stopped(&mut stop).await;
+                    tokio::time::sleep(RECORD_GRACE).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let bounded = async {
+            tokio::select! {
+                recorded = tokio::time::timeout_at(by, attempts) => recorded.ok(),
+                () = shutdown => None,
+            }
+        };
+        match bounded.await {
+            Some(Ok::<usize, Error>(fenced)) => {
+                tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
+                if fenced > 0 {
+                    tracing::warn!(
+                        table = %inner.outbox.table(), fenced,
+                        "outcomes discarded: another relay took these rows over after our lease ended"
+                    );
+                    inner.metrics.fenced(fenced);
+                }
+            }
+            Some(Err(_)) | None => {
+                tracing::error!(
+                    table = %inner.outbox.table(), rows = outcomes.len(),
+                    "recording outcomes failed; the rows will be published again after their lease"
+                );
+            }
+        }
     }
 }
 

@@ -1,0 +1,538 @@
+//! The relay loop of one run ([`Relay::run_until`]): a [`Loop`] whose moves have names.
+//!
+//! Each turn, in this order: start the waiting batch if a publishing slot is free
+//! ([`Loop::start_waiting`]); claim the next batch when there is room
+//! ([`Loop::claim`]); then wait, in the first state that applies:
+//! - batches under way or the broker out of reach: [`Loop::wait_busy`], looking for new
+//!   work now and then so that a slow batch does not hold up fresh messages;
+//! - work done a moment ago: [`Loop::linger`], looking every millisecond, so that under
+//!   steady traffic writers need not notify;
+//! - no LISTEN connection: [`Loop::poll`];
+//! - idle: [`Loop::sleep_idle`], holding the wake lock (see `listener`).
+//!
+//! Up to [`PIPELINE`] claimed batches publish at once, each on a task of its own that then
+//! records the outcomes, and one more waits claimed, ready to go the moment a slot frees: a
+//! broker that confirms in bursts is fed again at once instead of waiting for a claim. A
+//! batch that waits only on a slow publish gives its slot back (up to [`MAX_STALLED`] such
+//! batches). While the broker is unavailable the relay claims only after its outage
+//! backoff. On shutdown ([`Loop::shut_down`]) the waiting batch is released untried and
+//! the batches in flight drain.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+
+use super::listener::{self, WATCH_RETRY, Wake, Watch};
+use super::presence::IDLE_REFRESH;
+use super::publish::Slot;
+use super::store::{Batch, Outcome};
+use super::{Relay, janitor};
+use crate::error::{Error, Result};
+use crate::publisher::Publisher;
+
+/// Claimed batches publishing at once.
+pub(super) const PIPELINE: usize = 3;
+/// Stalled batches (waiting only on slow publishes) the relay keeps beside its pipeline
+/// before it waits for their deadlines.
+pub(super) const MAX_STALLED: usize = 3 * PIPELINE;
+/// At shutdown, recording outcomes may take this long after the drain timeout.
+pub(super) const RECORD_GRACE: Duration = Duration::from_secs(1);
+/// While batches are in flight, the relay looks for new work this often, and half as often
+/// after each look that found nothing, down to once per [`BUSY_POLL_MAX`] (and never less
+/// often than the poll interval).
+const BUSY_POLL: Duration = Duration::from_millis(1);
+/// The longest wait between looks for new work while batches are in flight.
+const BUSY_POLL_MAX: Duration = Duration::from_millis(160);
+/// After work, the relay keeps looking for this long before it calls itself idle.
+const LINGER: Duration = Duration::from_millis(50);
+/// How often it looks while lingering.
+const LINGER_POLL: Duration = Duration::from_millis(1);
+
+/// One run of a relay ([`Relay::run_until`]): what it shares with its listener and its
+/// batches.
+pub(super) struct Run {
+    /// Names this run in `<table>_relays`.
+    pub(super) id: String,
+    /// True once shutdown was asked for.
+    pub(super) stop: watch::Receiver<bool>,
+    pub(super) wake: Arc<Wake>,
+    /// Batches that gave their publishing slot back while a slow publish finishes.
+    pub(super) stalled: Arc<AtomicUsize>,
+}
+
+/// Completes once `stop` turns true (or its sender is gone).
+pub(crate) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
+    // The guard `wait_for` returns is not `Send`: drop it here, not across an await.
+    let _ = stop.wait_for(|stopping| *stopping).await.map(|_| ());
+}
+
+/// `work`'s output, or `None` if `stop` turns true first (then `work` is dropped): the
+/// relay's own database work never holds up a shutdown.
+pub(super) async fn or_stop<T>(
+    stop: &watch::Receiver<bool>,
+    work: impl Future<Output = T>,
+) -> Option<T> {
+    let mut stop = stop.clone();
+    tokio::select! {
+        out = work => Some(out),
+        () = until_stopped(&mut stop) => None,
+    }
+}
+
+/// Aborts a background task when dropped, so a dropped relay leaks nothing.
+struct AbortOnDrop(Option<JoinHandle<()>>);
+
+impl AbortOnDrop {
+    fn new(task: JoinHandle<()>) -> Self {
+        AbortOnDrop(Some(task))
+    }
+
+    /// Aborts the task and waits until it is gone (so it changes no state afterwards).
+    async fn stop(mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// What a move leads to.
+enum Turn {
+    /// Go round again.
+    Next,
+    /// Shutdown was asked for.
+    Stop,
+    /// The relay cannot go on.
+    Fail(Error),
+}
+
+/// The relay loop's state between turns.
+struct Loop<'a, P> {
+    relay: &'a Relay<P>,
+    run: &'a Run,
+    stopper: &'a watch::Sender<bool>,
+    /// `run.stop`, to wait on.
+    stopped: watch::Receiver<bool>,
+    in_flight: JoinSet<()>,
+    slots: Arc<Semaphore>,
+    /// A claimed batch waiting for a publishing slot.
+    waiting: Option<Batch>,
+    /// Whether to claim before waiting: false after a batch that was not full (the backlog
+    /// is drained for now), true again when a batch finishes or a look is due.
+    claim_more: bool,
+    /// Claims that failed in a row.
+    failures: u32,
+    /// Looks for new work that found nothing while batches are under way; each one waits
+    /// longer.
+    fruitless: u32,
+    /// Until when the relay keeps looking often after work.
+    linger_until: Instant,
+    /// What this run last wrote of its outage into `<table>_relays`, and when.
+    blocked_written: (Option<Instant>, Instant),
+    /// Whether `<table>_relays` says this run is idle, and since when.
+    marked_idle: bool,
+    idle_written: Instant,
+    /// Whether the look that follows taking the wake lock was made.
+    watched_look: bool,
+    /// When the relay last looked for the commits of writers holding the wake lock.
+    contended_look: Instant,
+}
+
+impl<P: Publisher> Relay<P> {
+    /// [`Relay::run_until`]: starts the listener and the janitor, runs the loop until
+    /// `shutdown`, and stops them.
+    pub(super) async fn run_until_shutdown(
+        &self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let table = inner.outbox.table().to_owned();
+        let (stopper, stop) = watch::channel(false);
+        let run = Run {
+            id: uuid::Uuid::new_v4().to_string(),
+            stop: stop.clone(),
+            wake: Arc::new(Wake::new(inner.listening.clone())),
+            stalled: Arc::new(AtomicUsize::new(0)),
+        };
+        tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
+        let pool = inner.store.pool();
+        let listener = pool.filter(|_| inner.options.listen).map(|pool| {
+            AbortOnDrop::new(tokio::spawn(listener::run(
+                pool.clone(),
+                inner.outbox.statements().listener.clone(),
+                table.clone(),
+                run.wake.clone(),
+            )))
+        });
+        let retains = inner.options.retention.is_some() || inner.options.inbox_retention.is_some();
+        let _janitor = pool.filter(|_| retains).map(|pool| {
+            AbortOnDrop::new(tokio::spawn(janitor::run(
+                inner.outbox.clone(),
+                pool.clone(),
+                inner.options.retention,
+                inner.options.inbox_retention,
+            )))
+        });
+
+        let running = Loop::new(self, &run, &stopper).run();
+        let mut running = pin!(running);
+        let mut shutdown = pin!(shutdown.fuse());
+        let result = loop {
+            tokio::select! {
+                result = &mut running => break result,
+                () = &mut shutdown => {
+                    let _ = stopper.send(true);
+                }
+            }
+        };
+        if let Some(listener) = listener {
+            listener.stop().await;
+        }
+        run.wake.set_listening(false);
+        tracing::info!(table = %table, relay = %run.id, "relay stopped");
+        result
+    }
+
+    /// Claims up to `batch_size` due rows (none once `stop` is true: a claim that has not
+    /// answered by then is given up, and what it may have claimed waits for its lease).
+    pub(super) async fn claim(&self, stop: Option<&watch::Receiver<bool>>) -> Result<Batch> {
+        let inner = &self.inner;
+        let started = Instant::now();
+        let claiming = inner.store.claim(&inner.options);
+        let batch = match stop {
+            None => claiming.await?,
+            Some(stop) => match or_stop(stop, claiming).await {
+                Some(batch) => batch?,
+                None => Batch::default(),
+            },
+        };
+        let claimed = batch.claimed();
+        if claimed > 0 {
+            inner.metrics.claimed(claimed);
+            tracing::debug!(table = %inner.outbox.table(), claimed, took = ?started.elapsed(), "claimed");
+        }
+        Ok(batch)
+    }
+
+    /// While lingering: returns once a cheap probe sees a due row, or the linger time is over.
+    async fn wait_due(&self) {
+        let until = Instant::now() + LINGER;
+        while Instant::now() < until {
+            tokio::time::sleep(LINGER_POLL).await;
+            if self.due().await {
+                return;
+            }
+        }
+    }
+
+    /// One cheap look for due work; true on an error too, to let the claim report it.
+    async fn due(&self) -> bool {
+        self.inner.store.due().await.unwrap_or(true)
+    }
+
+    /// [`Relay::due`], giving up (false) once `stop` turns true.
+    async fn probe(&self, stop: &watch::Receiver<bool>) -> bool {
+        or_stop(stop, self.due()).await.unwrap_or(false)
+    }
+
+    /// Reports a batch task that panicked (a bug of the relay: publisher panics are caught
+    /// per record). Its rows stay leased: they are claimed again after the lease, and die
+    /// if that keeps happening.
+    fn finished(&self, done: std::result::Result<(), tokio::task::JoinError>) {
+        if let Err(e) = done {
+            tracing::error!(table = %self.inner.outbox.table(), error = %e, "publishing a batch panicked");
+        }
+    }
+}
+
+impl<'a, P: Publisher> Loop<'a, P> {
+    fn new(relay: &'a Relay<P>, run: &'a Run, stopper: &'a watch::Sender<bool>) -> Self {
+        let now = Instant::now();
+        Loop {
+            relay,
+            run,
+            stopper,
+            stopped: run.stop.clone(),
+            in_flight: JoinSet::new(),
+            slots: Arc::new(Semaphore::new(PIPELINE)),
+            waiting: None,
+            claim_more: true,
+            failures: 0,
+            fruitless: 0,
+            linger_until: now + LINGER,
+            blocked_written: (None, now),
+            marked_idle: false,
+            idle_written: now,
+            watched_look: false,
+            contended_look: now - WATCH_RETRY,
+        }
+    }
+
+    /// Turns until shutdown (or a failure the relay cannot go past), then shuts down.
+    async fn run(mut self) -> Result<()> {
+        let result = loop {
+            if *self.run.stop.borrow() {
+                break Ok(());
+            }
+            self.relay
+                .sync_blocked(self.run, &mut self.blocked_written)
+                .await;
+            let backing_off = self.relay.inner.outage.retry_at();
+            self.start_waiting(backing_off);
+            let room = self.room();
+            if self.claim_more && self.waiting.is_none() && room && backing_off.is_none() {
+                match self.claim().await {
+                    Some(Turn::Next) => continue,
+                    Some(Turn::Stop) => break Ok(()),
+                    Some(Turn::Fail(e)) => break Err(e),
+                    None => {}
+                }
+            }
+            let turn =
+                if self.waiting.is_some() || !self.in_flight.is_empty() || backing_off.is_some() {
+                    self.wait_busy(backing_off, room).await
+                } else {
+                    // Nothing due and nothing in flight.
+                    self.fruitless = 0;
+                    self.claim_more = true;
+                    if Instant::now() < self.linger_until {
+                        self.linger().await
+                    } else if !self.run.wake.listening() {
+                        self.poll().await
+                    } else {
+                        self.sleep_idle().await
+                    }
+                };
+            match turn {
+                Turn::Next => {}
+                Turn::Stop => break Ok(()),
+                Turn::Fail(e) => break Err(e),
+            }
+        };
+        self.shut_down(result).await
+    }
+
+    /// Whether another batch may be claimed: fewer than two pipelines of batches are
+    /// publishing or recording (the recording ones no longer hold a slot), and fewer than
+    /// [`MAX_STALLED`] are stalled.
+    fn room(&self) -> bool {
+        let stalled = self.run.stalled.load(Ordering::SeqCst);
+        self.in_flight.len().saturating_sub(stalled) < 2 * PIPELINE && stalled < MAX_STALLED
+    }
+
+    /// Starts the waiting batch if a publishing slot is free. While the broker is
+    /// unavailable the waiting batch waits too: it is the next try.
+    fn start_waiting(&mut self, backing_off: Option<Instant>) {
+        if self.waiting.is_some()
+            && backing_off.is_none()
+            && let Ok(slot) = self.slots.clone().try_acquire_owned()
+        {
+            let batch = self.waiting.take().expect("checked above");
+            self.start(batch, Some(slot));
+        }
+    }
+
+    /// Publishes a claimed batch and records its outcomes on a task of its own. The
+    /// publishing slot is given back as soon as the publishes are over (or stall).
+    fn start(&mut self, batch: Batch, permit: Option<OwnedSemaphorePermit>) {
+        let relay = self.relay.clone();
+        let stop = self.run.stop.clone();
+        let slot = Slot::new(permit, Some(self.slots.clone()), self.run.stalled.clone());
+        self.in_flight.spawn(async move {
+            relay.run_batch(batch, stop, slot).await;
+        });
+    }
+
+    /// Claims the next batch, to wait for a slot; `None` when nothing was due.
+    async fn claim(&mut self) -> Option<Turn> {
+        let options = &self.relay.inner.options;
+        match self.relay.claim(Some(&self.run.stop)).await {
+            Ok(batch) if batch.claimed() > 0 => {
+                self.failures = 0;
+                self.fruitless = 0;
+                // Busy: writers need not notify; let the wake lock go.
+                self.run.wake.want_idle(false);
+                if self.marked_idle {
+                    self.marked_idle = !self.relay.mark_idle(self.run, false).await;
+                }
+                self.claim_more = batch.claimed() >= options.batch_size;
+                self.waiting = Some(batch);
+                Some(Turn::Next)
+            }
+            Ok(_) => {
+                self.fruitless = self.fruitless.saturating_add(1);
+                None
+            }
+            Err(e @ Error::NotMigrated { .. }) => Some(Turn::Fail(e)),
+            Err(e) => {
+                self.failures += 1;
+                let delay = options.backoff(self.failures).min(options.poll_interval);
+                tracing::warn!(table = %self.relay.inner.outbox.table(), error = %e, retry_in = ?delay, "relay cycle failed");
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => Some(Turn::Next),
+                    () = until_stopped(&mut self.stopped) => Some(Turn::Stop),
+                }
+            }
+        }
+    }
+
+    /// Batches are under way (or the broker is out of reach): start the waiting one when a
+    /// slot frees, and look for new work now and then, so a slow batch does not hold up
+    /// fresh messages. A finished batch may have unblocked its aggregates' successors: look
+    /// again at once. While the broker is unavailable, wait for the next try.
+    async fn wait_busy(&mut self, backing_off: Option<Instant>, room: bool) -> Turn {
+        let options = &self.relay.inner.options;
+        let busy_poll = (BUSY_POLL * 2u32.saturating_pow(self.fruitless.min(8)))
+            .min(BUSY_POLL_MAX)
+            .min(options.poll_interval);
+        let next_look = backing_off.unwrap_or_else(|| Instant::now() + busy_poll);
+        let looks = self.waiting.is_none() || backing_off.is_some();
+        let refresh_at = self.blocked_written.1 + IDLE_REFRESH;
+        let waiting = self.waiting.is_some();
+        let turn = tokio::select! {
+            done = self.in_flight.join_next(), if !self.in_flight.is_empty() => {
+                if let Some(done) = done {
+                    self.relay.finished(done);
+                }
+                self.claim_more = true;
+                Turn::Next
+            }
+            // A slot is free: the waiting batch starts at the top of the loop.
+            _ = self.slots.acquire(), if waiting && backing_off.is_none() => Turn::Next,
+            // Without room to claim, only a finishing batch makes room.
+            () = tokio::time::sleep_until(next_look), if looks && room => {
+                self.claim_more = true;
+                Turn::Next
+            }
+            // Blocked time is kept current in `<table>_relays`.
+            () = tokio::time::sleep_until(refresh_at), if backing_off.is_some() => Turn::Next,
+            () = until_stopped(&mut self.stopped) => return Turn::Stop,
+        };
+        self.linger_until = Instant::now() + LINGER;
+        turn
+    }
+
+    /// Right after work, keep looking often for a while: under steady traffic the relay
+    /// stays awake and writers need not NOTIFY.
+    async fn linger(&mut self) -> Turn {
+        tokio::select! {
+            () = self.run.wake.notify.notified() => Turn::Next,
+            () = self.relay.wait_due() => Turn::Next,
+            () = until_stopped(&mut self.stopped) => Turn::Stop,
+        }
+    }
+
+    /// Idle without a LISTEN connection: nothing wakes the relay but the poll interval.
+    async fn poll(&mut self) -> Turn {
+        tokio::select! {
+            () = self.run.wake.notify.notified() => Turn::Next,
+            () = tokio::time::sleep(self.relay.inner.options.poll_interval) => Turn::Next,
+            () = until_stopped(&mut self.stopped) => Turn::Stop,
+        }
+    }
+
+    /// Idle: ask for the wake lock (see `listener`), and wait for a wake-up, a change of
+    /// the lock's state, or the poll interval; every way out but shutdown leads to a claim.
+    async fn sleep_idle(&mut self) -> Turn {
+        let (relay, run) = (self.relay, self.run);
+        if !self.marked_idle {
+            self.marked_idle = relay.mark_idle(run, true).await;
+            self.idle_written = Instant::now();
+        }
+        run.wake.want_idle(true);
+        let poll_at = Instant::now() + relay.inner.options.poll_interval;
+        loop {
+            let watch = run.wake.watch();
+            if watch != Watch::Watching {
+                self.watched_look = false;
+            }
+            match watch {
+                // Every writer that saw no idle relay has committed by now: look once.
+                Watch::Watching if !self.watched_look => {
+                    self.watched_look = true;
+                    return Turn::Next;
+                }
+                // Writers hold the lock, so their commits will not notify: look for them,
+                // every `WATCH_RETRY` (a due row the claim cannot take must not spin).
+                Watch::Contended if self.contended_look.elapsed() >= WATCH_RETRY => {
+                    self.contended_look = Instant::now();
+                    if relay.probe(&run.stop).await {
+                        return Turn::Next;
+                    }
+                }
+                _ if !run.wake.listening() => return Turn::Next,
+                _ => {}
+            }
+            let refresh = (self.idle_written + IDLE_REFRESH).min(poll_at);
+            let next = match watch {
+                Watch::Contended | Watch::Off => (Instant::now() + WATCH_RETRY).min(refresh),
+                Watch::Watching | Watch::Covered => refresh,
+            };
+            tokio::select! {
+                () = run.wake.notify.notified() => {
+                    if run.wake.watch() == watch {
+                        return Turn::Next; // a NOTIFY, or a reconnect: look
+                    }
+                    // The wake lock changed hands: think again.
+                }
+                () = tokio::time::sleep_until(next) => {
+                    if Instant::now() >= poll_at {
+                        return Turn::Next;
+                    }
+                    if Instant::now() >= self.idle_written + IDLE_REFRESH {
+                        // Keep the record from lapsing.
+                        relay.mark_idle(run, true).await;
+                        self.idle_written = Instant::now();
+                    }
+                }
+                () = until_stopped(&mut self.stopped) => return Turn::Stop,
+            }
+        }
+    }
+
+    /// Shutdown: the waiting batch is released; batches in flight drain (their tasks saw
+    /// `stop`), then are recorded, all within the drain timeout and a grace. On an error
+    /// the relay stops the same way.
+    async fn shut_down(mut self, result: Result<()>) -> Result<()> {
+        if result.is_err() {
+            let _ = self.stopper.send(true);
+        }
+        if let Some(batch) = self.waiting.take() {
+            if result.is_ok() {
+                // Started after `stop`, it releases its records untried.
+                self.start(batch, None);
+            } else {
+                // The relay stops on an error: give the waiting batch back untried.
+                let outcomes: Vec<Outcome> = batch
+                    .ready
+                    .iter()
+                    .map(|c| Outcome::release(&c.record, c.token))
+                    .collect();
+                self.relay
+                    .record(&outcomes, Instant::now() + RECORD_GRACE, None)
+                    .await;
+            }
+        }
+        while let Some(done) = self.in_flight.join_next().await {
+            self.relay.finished(done);
+        }
+        // Housekeeping only: the record lapses by itself.
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.relay.forget(self.run)).await;
+        result
+    }
+}
