@@ -21,7 +21,7 @@ use crate::publisher::{PublishError, Publisher, Record};
 
 /// A batch whose wave has run this long with nothing left to start is stalled: it gives its
 /// publishing slot back and records what it knows at once (at most an eighth of the lease).
-const STALL: Duration = Duration::from_secs(1);
+pub(super) const STALL: Duration = Duration::from_secs(1);
 
 /// The result of one record's publish; `None` when it was never started or was cut off.
 type Published = Option<(Result<(), PublishError>, Duration)>;

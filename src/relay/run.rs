@@ -536,3 +536,387 @@ impl<'a, P: Publisher> Loop<'a, P> {
         result
     }
 }
+
+/// The scheduling rules, on a table in memory and a publisher that holds records back, in
+/// paused time: no database, no broker.
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    use futures_util::future::BoxFuture;
+
+    use super::*;
+    use crate::outbox::Outbox;
+    use crate::publisher::{PublishError, Record};
+    use crate::relay::options::Options;
+    use crate::relay::publish::STALL;
+    use crate::relay::store::{Claimed, OUTCOME_RELEASE, OUTCOME_SENT, Store};
+    use crate::relay::{PgPool, RelayBuilder};
+
+    #[derive(Debug)]
+    struct Row {
+        id: i64,
+        key: String,
+        leased: bool,
+        done: bool,
+    }
+
+    /// The outbox table in memory: a claim leases the first unleased rows; an outcome
+    /// finishes a row or gives it back.
+    #[derive(Default)]
+    struct Memory {
+        rows: Mutex<Vec<Row>>,
+        /// Claims that took at least one row.
+        claims: AtomicUsize,
+        /// Looks for due work.
+        dues: AtomicUsize,
+        /// Every outcome recorded: (key, kind).
+        outcomes: Mutex<Vec<(String, &'static str)>>,
+    }
+
+    impl Memory {
+        fn add(&self, key: &str) {
+            let mut rows = self.rows.lock().unwrap();
+            let id = i64::try_from(rows.len()).unwrap() + 1;
+            rows.push(Row {
+                id,
+                key: key.to_owned(),
+                leased: false,
+                done: false,
+            });
+        }
+
+        fn outcomes(&self) -> Vec<(String, &'static str)> {
+            self.outcomes.lock().unwrap().clone()
+        }
+
+        fn outcome_of(&self, key: &str) -> Option<&'static str> {
+            self.outcomes()
+                .into_iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map(|(_, kind)| kind)
+        }
+
+        fn leased(&self) -> Vec<String> {
+            let rows = self.rows.lock().unwrap();
+            rows.iter()
+                .filter(|r| r.leased)
+                .map(|r| r.key.clone())
+                .collect()
+        }
+    }
+
+    impl Store for Memory {
+        fn claim<'a>(&'a self, options: &'a Options) -> BoxFuture<'a, Result<Batch>> {
+            let mut rows = self.rows.lock().unwrap();
+            let ready: Vec<Claimed> = rows
+                .iter_mut()
+                .filter(|r| !r.leased && !r.done)
+                .take(options.batch_size)
+                .map(|r| {
+                    r.leased = true;
+                    let mut record = Record::new(r.key.clone(), "t", Vec::new());
+                    record.id = r.id;
+                    Claimed { record, token: 1 }
+                })
+                .collect();
+            if !ready.is_empty() {
+                self.claims.fetch_add(1, Ordering::SeqCst);
+            }
+            let batch = Batch {
+                ready,
+                ..Batch::default()
+            };
+            Box::pin(async move { Ok(batch) })
+        }
+
+        fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>> {
+            let mut rows = self.rows.lock().unwrap();
+            for outcome in outcomes {
+                let row = rows.iter_mut().find(|r| r.id == outcome.id).unwrap();
+                row.leased = false;
+                row.done = outcome.kind != OUTCOME_RELEASE;
+                self.outcomes
+                    .lock()
+                    .unwrap()
+                    .push((row.key.clone(), outcome.kind));
+            }
+            Box::pin(async { Ok(0) })
+        }
+
+        fn due(&self) -> BoxFuture<'_, Result<bool>> {
+            self.dues.fetch_add(1, Ordering::SeqCst);
+            let due = self
+                .rows
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|r| !r.leased && !r.done);
+            Box::pin(async move { Ok(due) })
+        }
+
+        fn set_state<'a>(
+            &'a self,
+            _: &'a str,
+            _: bool,
+            _: Duration,
+            _: Option<Duration>,
+        ) -> BoxFuture<'a, Result<()>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn forget<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<()>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn pool(&self) -> Option<&crate::relay::PgPool> {
+            None
+        }
+    }
+
+    /// Confirms at once, except the records it holds until [`Gate::open`].
+    #[derive(Clone)]
+    struct Gate {
+        /// Keys held back; `None` holds every record.
+        held: Option<Vec<String>>,
+        open: Arc<watch::Sender<bool>>,
+        started: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Gate {
+        fn holding(held: Option<&[&str]>) -> Self {
+            Gate {
+                held: held.map(|keys| keys.iter().map(|k| (*k).to_owned()).collect()),
+                open: Arc::new(watch::channel(false).0),
+                started: Arc::default(),
+            }
+        }
+
+        fn open(&self) {
+            self.open.send_replace(true);
+        }
+
+        fn started(&self) -> Vec<String> {
+            self.started.lock().unwrap().clone()
+        }
+    }
+
+    impl Publisher for Gate {
+        async fn publish(&self, record: &Record) -> std::result::Result<(), PublishError> {
+            self.started.lock().unwrap().push(record.key.clone());
+            let holds = self
+                .held
+                .as_ref()
+                .is_none_or(|keys| keys.contains(&record.key));
+            if holds {
+                let _ = self.open.subscribe().wait_for(|open| *open).await;
+            }
+            Ok(())
+        }
+    }
+
+    /// A relay on `memory`; the pool is never used (no LISTEN, no janitor).
+    fn relay(
+        memory: &Arc<Memory>,
+        gate: &Gate,
+        configure: impl FnOnce(RelayBuilder<Gate>) -> RelayBuilder<Gate>,
+    ) -> Relay<Gate> {
+        let pool = PgPool::builder().build_unchecked(AsyncDieselConnectionManager::new(
+            "postgres://unused.invalid",
+        ));
+        let builder = Outbox::new()
+            .relay(pool, gate.clone())
+            .without_listen()
+            .retention(None)
+            .inbox_retention(None)
+            .lease(Duration::from_secs(3600));
+        configure(builder).build_on(memory.clone()).unwrap()
+    }
+
+    /// Runs `relay` until the returned sender fires (or is dropped).
+    fn spawn(relay: &Relay<Gate>) -> (tokio::sync::oneshot::Sender<()>, JoinHandle<Result<()>>) {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let relay = relay.clone();
+        let task = tokio::spawn(async move {
+            relay
+                .run_until(async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        (stop, task)
+    }
+
+    /// Waits (in paused time) until `check` holds, for at most a minute.
+    async fn until(what: &str, check: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !check() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn three_batches_publish_at_once_and_one_waits_claimed() {
+        let memory = Arc::new(Memory::default());
+        for i in 0..20 {
+            memory.add(&format!("m{i}"));
+        }
+        let gate = Gate::holding(None);
+        let relay = relay(&memory, &gate, |b| b.batch_size(1).concurrency(1));
+        let (stop, task) = spawn(&relay);
+
+        until("three publishes", || gate.started().len() == PIPELINE).await;
+        // Short of the stall time, after which a slow batch gives its slot back.
+        tokio::time::sleep(STALL / 2).await;
+        assert_eq!(gate.started().len(), PIPELINE, "no fourth batch publishes");
+        assert_eq!(
+            memory.claims.load(Ordering::SeqCst),
+            PIPELINE + 1,
+            "one more batch waits claimed"
+        );
+        assert_eq!(memory.leased(), ["m0", "m1", "m2", "m3"]);
+
+        // Stalled batches free their slots, but only so many of them: once nine have
+        // stalled the relay claims no more; the batch that was waiting then has started.
+        tokio::time::sleep(60 * STALL).await;
+        assert_eq!(
+            gate.started().len(),
+            MAX_STALLED + 1,
+            "stalled batches are bounded"
+        );
+        assert_eq!(memory.claims.load(Ordering::SeqCst), MAX_STALLED + 1);
+
+        gate.open();
+        until("every message sent", || {
+            (0..20).all(|i| memory.outcome_of(&format!("m{i}")) == Some(OUTCOME_SENT))
+        })
+        .await;
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fresh_message_is_claimed_and_sent_while_a_slow_one_publishes() {
+        let memory = Arc::new(Memory::default());
+        memory.add("slow");
+        let gate = Gate::holding(Some(&["slow"]));
+        let relay = relay(&memory, &gate, |b| b);
+        let (stop, task) = spawn(&relay);
+
+        until("the slow publish", || gate.started() == ["slow"]).await;
+        memory.add("fresh");
+        let added = Instant::now();
+        until("the fresh message sent", || {
+            memory.outcome_of("fresh") == Some(OUTCOME_SENT)
+        })
+        .await;
+        assert!(
+            added.elapsed() <= BUSY_POLL_MAX,
+            "found within one busy look: {:?}",
+            added.elapsed()
+        );
+        assert_eq!(memory.outcome_of("slow"), None, "still publishing");
+
+        gate.open();
+        until("the slow message sent", || {
+            memory.outcome_of("slow") == Some(OUTCOME_SENT)
+        })
+        .await;
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_work_the_relay_lingers_then_only_polls() {
+        let memory = Arc::new(Memory::default());
+        memory.add("first");
+        let gate = Gate::holding(Some(&[]));
+        let poll = Duration::from_secs(2);
+        let relay = relay(&memory, &gate, |b| b.poll_interval(poll));
+        let (stop, task) = spawn(&relay);
+        until("the first message sent", || {
+            memory.outcome_of("first") == Some(OUTCOME_SENT)
+        })
+        .await;
+
+        // Within the linger time a new message is found by the next look.
+        tokio::time::sleep(LINGER / 5).await;
+        memory.add("lingering");
+        let added = Instant::now();
+        until("the message found while lingering", || {
+            memory.outcome_of("lingering") == Some(OUTCOME_SENT)
+        })
+        .await;
+        assert!(
+            added.elapsed() <= 5 * LINGER_POLL,
+            "took {:?}",
+            added.elapsed()
+        );
+
+        // Once idle, nothing looks until the poll interval is up.
+        tokio::time::sleep(LINGER * 4).await;
+        let dues = memory.dues.load(Ordering::SeqCst);
+        memory.add("idle");
+        let added = Instant::now();
+        until("the message found by polling", || {
+            memory.outcome_of("idle") == Some(OUTCOME_SENT)
+        })
+        .await;
+        assert!(
+            added.elapsed() >= poll / 2 && added.elapsed() <= poll,
+            "took {:?}",
+            added.elapsed()
+        );
+        assert_eq!(
+            memory.dues.load(Ordering::SeqCst),
+            dues,
+            "an idle relay without LISTEN does not probe"
+        );
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_releases_the_waiting_batch_untried_and_cuts_the_drain_at_its_timeout() {
+        let memory = Arc::new(Memory::default());
+        for i in 0..10 {
+            memory.add(&format!("m{i}"));
+        }
+        let gate = Gate::holding(None);
+        let drain = Duration::from_secs(2);
+        let relay = relay(&memory, &gate, |b| {
+            b.batch_size(1).concurrency(1).drain_timeout(drain)
+        });
+        let (stop, task) = spawn(&relay);
+        until("a full pipeline and a waiting batch", || {
+            gate.started().len() == PIPELINE && memory.claims.load(Ordering::SeqCst) == PIPELINE + 1
+        })
+        .await;
+
+        let stopped = Instant::now();
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+        assert!(
+            stopped.elapsed() <= drain + RECORD_GRACE,
+            "returned after {:?}",
+            stopped.elapsed()
+        );
+        assert_eq!(
+            gate.started(),
+            ["m0", "m1", "m2"],
+            "the waiting batch never started"
+        );
+        let mut released: Vec<String> = memory
+            .outcomes()
+            .into_iter()
+            .filter(|(_, kind)| *kind == OUTCOME_RELEASE)
+            .map(|(key, _)| key)
+            .collect();
+        released.sort();
+        assert_eq!(released, ["m0", "m1", "m2", "m3"]);
+        assert!(memory.leased().is_empty(), "nothing stays leased");
+    }
+}
