@@ -251,14 +251,9 @@ impl Env {
             .await?)
     }
 
-    /// Waits until the relay on `outbox` has finished lingering after start-up: with
-    /// notify, until it has recorded itself idle; without, for as long as lingering lasts.
-    async fn wait_idle(&mut self, outbox: &Outbox, notify: bool) -> BoxResult<()> {
-        if !notify {
-            // Without LISTEN there is no record to wait for; lingering lasts 50 ms.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            return Ok(());
-        }
+    /// Waits until the relay on `outbox` has finished lingering after start-up and recorded
+    /// itself idle.
+    async fn wait_idle(&mut self, outbox: &Outbox) -> BoxResult<()> {
         #[derive(QueryableByName)]
         struct Idle {
             #[diesel(sql_type = diesel::sql_types::Bool)]
@@ -449,7 +444,7 @@ async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .stdout(Stdio::null())
         .spawn()?;
     let pid = child.id();
-    env.wait_idle(&outbox, true).await?;
+    env.wait_idle(&outbox).await?;
     env.conn.batch_execute("BEGIN").await?;
     env.enqueue_backlog(&outbox, n, None).await?;
     // The checkpoint (from another connection, while the backlog is uncommitted) flushes
@@ -888,7 +883,7 @@ async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
         let (exchange, queue) = env.queue(name).await?;
         let (outbox, relay) = env.with_relay(name, &exchange, notify).await?;
         // Start from a quiet relay: idle and, with notify, recorded as such for writers.
-        env.wait_idle(&outbox, notify).await?;
+        env.wait_idle(&outbox).await?;
 
         // Both sides keyed by message: a delivery may reach the consumer before the writer
         // has noted its commit (the commit's reply and the delivery race), so latencies are

@@ -50,8 +50,6 @@ use lapin::{Connection, ConnectionProperties};
 
 const RELAYS: usize = 3;
 const BATCH: usize = 50;
-/// Batches a relay may hold at once (claimed, publishing or recording).
-const PIPELINE: usize = 3;
 const LEASE: Duration = Duration::from_secs(2);
 const MAX_ATTEMPTS: u32 = 10;
 const BACKOFF_MAX: Duration = Duration::from_millis(500);
@@ -606,8 +604,18 @@ async fn run(tier: Tier) {
     let faults = log.faults.lock().unwrap().clone();
     let fault_events: usize = faults.values().sum();
     let fenced = relays.fenced();
-    // Each fault can cost at most what the relays hold in flight.
-    let duplicate_bound = fault_events.max(1) * RELAYS * PIPELINE * BATCH;
+    // Each fault can cost at most what the relays hold claimed, as the relay states it
+    // for the options the relay processes run with.
+    let held = outbox
+        .relay(
+            common::pool(1).await,
+            diesel_outbox::publisher_fn(|_| async { Ok(()) }),
+        )
+        .batch_size(BATCH)
+        .build()
+        .unwrap()
+        .max_claimed_rows();
+    let duplicate_bound = fault_events.max(1) * RELAYS * held;
     println!(
         "fault suite: {written} committed messages ({} rolled back attempts), {} deliveries, \
          {duplicates} duplicate deliveries (bound {duplicate_bound}), {redelivered} flagged \

@@ -7,13 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::fakes::{CountingMetrics, Hanging, Recorder};
 use common::{DEADLINE, Fixture, TestSchema, eventually, fixture, spawn_relay, stop_relay};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
-use diesel_outbox::{
-    Error, Message, Metrics, Outbox, PublishError, Publisher, Record, publisher_fn,
-};
+use diesel_outbox::{Error, Message, Outbox, PublishError, Publisher, Record, publisher_fn};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -74,100 +73,6 @@ struct RowState {
     last_error: Option<String>,
     #[diesel(sql_type = Bool)]
     leased: bool,
-}
-
-/// Counts every metrics event.
-#[derive(Default)]
-struct Counters {
-    claimed: AtomicUsize,
-    published: AtomicUsize,
-    failed: AtomicUsize,
-    dead: AtomicUsize,
-    released: AtomicUsize,
-    fenced: AtomicUsize,
-    blocked: AtomicUsize,
-    unblocked: AtomicUsize,
-}
-
-#[derive(Clone, Default)]
-struct CountingMetrics(Arc<Counters>);
-
-impl CountingMetrics {
-    fn get(&self, f: impl Fn(&Counters) -> &AtomicUsize) -> usize {
-        AtomicUsize::load(f(&self.0), Ordering::SeqCst)
-    }
-}
-
-impl Metrics for CountingMetrics {
-    fn claimed(&self, n: usize) {
-        self.0.claimed.fetch_add(n, Ordering::SeqCst);
-    }
-    fn published(&self, _: &str, _: u32, _: Duration) {
-        self.0.published.fetch_add(1, Ordering::SeqCst);
-    }
-    fn failed(&self, _: &str, _: u32, _: &PublishError) {
-        self.0.failed.fetch_add(1, Ordering::SeqCst);
-    }
-    fn dead_lettered(&self, _: &str, _: u32) {
-        self.0.dead.fetch_add(1, Ordering::SeqCst);
-    }
-    fn released(&self, n: usize) {
-        self.0.released.fetch_add(n, Ordering::SeqCst);
-    }
-    fn fenced(&self, n: usize) {
-        self.0.fenced.fetch_add(n, Ordering::SeqCst);
-    }
-    fn blocked(&self, _: &PublishError) {
-        self.0.blocked.fetch_add(1, Ordering::SeqCst);
-    }
-    fn unblocked(&self, _: Duration) {
-        self.0.unblocked.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-/// Records every successful publish.
-#[derive(Clone, Default)]
-struct Recorder(Arc<Mutex<Vec<Record>>>);
-
-impl Recorder {
-    fn records(&self) -> Vec<Record> {
-        self.0.lock().unwrap().clone()
-    }
-
-    fn keys(&self) -> Vec<String> {
-        self.records().into_iter().map(|r| r.key).collect()
-    }
-
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-
-    /// A publisher that fails each record `fail` returns an error for, and records the rest
-    /// here.
-    fn failing<F>(&self, fail: F) -> impl Publisher
-    where
-        F: Fn(&Record) -> Option<PublishError> + Send + Sync + 'static,
-    {
-        let recorder = self.clone();
-        let fail = Arc::new(fail);
-        publisher_fn(move |record| {
-            let recorder = recorder.clone();
-            let fail = fail.clone();
-            async move {
-                match fail(&record) {
-                    Some(err) => Err(err),
-                    None => recorder.publish(&record).await,
-                }
-            }
-        })
-    }
-}
-
-impl Publisher for Recorder {
-    async fn publish(&self, record: &Record) -> Result<(), PublishError> {
-        self.0.lock().unwrap().push(record.clone());
-        Ok(())
-    }
 }
 
 #[tokio::test]
@@ -464,17 +369,10 @@ async fn a_permanent_error_kills_after_one_call() {
 async fn a_row_that_hangs_every_relay_ends_dead_after_max_attempts() {
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "poison").key("poison")).await;
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
+    let hanging = Hanging::default();
     let relay = f
         .outbox
-        .relay(
-            f.pool.clone(),
-            publisher_fn(move |_| {
-                counted.fetch_add(1, Ordering::SeqCst);
-                std::future::pending::<Result<(), PublishError>>()
-            }),
-        )
+        .relay(f.pool.clone(), hanging.clone())
         .max_attempts(3)
         .lease(Duration::from_secs(1))
         .drain_timeout(Duration::from_millis(100))
@@ -488,11 +386,7 @@ async fn a_row_that_hangs_every_relay_ends_dead_after_max_attempts() {
         assert!(Instant::now() < deadline, "the poison row never died");
         let _ = tokio::time::timeout(Duration::from_millis(100), relay.run_once()).await;
     }
-    assert_eq!(
-        AtomicUsize::load(&calls, Ordering::SeqCst),
-        3,
-        "published max_attempts times"
-    );
+    assert_eq!(hanging.calls(), 3, "published max_attempts times");
     let dead = f.row("poison").await;
     assert!(
         dead.last_error.unwrap().contains("without an outcome"),
@@ -527,7 +421,7 @@ async fn shutdown_mid_batch_drains_releases_and_loses_nothing() {
                         std::future::pending::<()>().await;
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    done.0.lock().unwrap().push(record);
+                    done.push(record);
                     Ok(())
                 }
             }),
@@ -1598,7 +1492,7 @@ async fn a_pipelined_batch_missing_one_result_records_the_others() {
                 .enumerate()
                 .filter(|(_, r)| r.key != "poison")
                 .map(|(i, r)| {
-                    self.0.0.lock().unwrap().push(r.clone());
+                    self.0.push(r.clone());
                     (i, Ok(()))
                 })
                 .collect();
@@ -1619,28 +1513,17 @@ async fn a_pipelined_batch_missing_one_result_records_the_others() {
 async fn shutdown_is_bounded_by_the_drain_timeout_even_without_a_connection() {
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "x").key("hangs")).await;
-    let started = Arc::new(Notify::new());
+    let hanging = Hanging::default();
     let pool = common::pool(1).await;
-    let relay = {
-        let started = started.clone();
-        f.outbox
-            .relay(
-                pool.clone(),
-                publisher_fn(move |_| {
-                    let started = started.clone();
-                    async move {
-                        started.notify_one();
-                        std::future::pending::<Result<(), PublishError>>().await
-                    }
-                }),
-            )
-            .drain_timeout(Duration::from_millis(200))
-            .without_listen()
-            .build()
-            .unwrap()
-    };
+    let relay = f
+        .outbox
+        .relay(pool.clone(), hanging.clone())
+        .drain_timeout(Duration::from_millis(200))
+        .without_listen()
+        .build()
+        .unwrap();
     let (stop, task) = spawn_relay(relay);
-    tokio::time::timeout(DEADLINE, started.notified())
+    tokio::time::timeout(DEADLINE, hanging.started.notified())
         .await
         .expect("the publish started");
     let held = pool.get().await.unwrap();

@@ -246,6 +246,13 @@ impl<P> Relay<P> {
     pub fn listening(&self) -> bool {
         self.inner.listening.load(Ordering::SeqCst) > 0
     }
+
+    /// The most rows one run of this relay holds claimed at once, whatever it is doing
+    /// with them (publishing, waiting on a slow publish, recording, or waiting for a
+    /// publishing slot): a bound on what a crash of the relay can publish twice.
+    pub fn max_claimed_rows(&self) -> usize {
+        self.inner.options.batch_size * run::MAX_BATCHES
+    }
 }
 
 impl<P: Publisher> Relay<P> {

@@ -42,6 +42,9 @@ pub(super) const PIPELINE: usize = 3;
 /// Stalled batches (waiting only on slow publishes) the relay keeps beside its pipeline
 /// before it waits for their deadlines.
 pub(super) const MAX_STALLED: usize = 3 * PIPELINE;
+/// The most batches a run holds at once: fewer than two pipelines' worth publishing or
+/// recording when it claims, the stalled ones beside them, and the one claimed then.
+pub(super) const MAX_BATCHES: usize = 2 * PIPELINE + MAX_STALLED;
 /// At shutdown, recording outcomes may take this long after the drain timeout.
 pub(super) const RECORD_GRACE: Duration = Duration::from_secs(1);
 /// While batches are in flight, the relay looks for new work this often, and half as often
@@ -439,6 +442,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
 
     /// Idle without a LISTEN connection: nothing wakes the relay but the poll interval.
     async fn poll(&mut self) -> Turn {
+        self.record_idle().await;
         tokio::select! {
             () = self.run.wake.notify.notified() => Turn::Next,
             () = tokio::time::sleep(self.relay.inner.options.poll_interval) => Turn::Next,
@@ -450,10 +454,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
     /// the lock's state, or the poll interval; every way out but shutdown leads to a claim.
     async fn sleep_idle(&mut self) -> Turn {
         let (relay, run) = (self.relay, self.run);
-        if !self.marked_idle {
-            self.marked_idle = relay.mark_idle(run, true).await;
-            self.idle_written = Instant::now();
-        }
+        self.record_idle().await;
         run.wake.want_idle(true);
         let poll_at = Instant::now() + relay.inner.options.poll_interval;
         loop {
@@ -502,6 +503,15 @@ impl<'a, P: Publisher> Loop<'a, P> {
                 }
                 () = until_stopped(&mut self.stopped) => return Turn::Stop,
             }
+        }
+    }
+
+    /// Records this run as idle in `<table>_relays`, unless that is on record already and
+    /// recent (the record lapses unless renewed).
+    async fn record_idle(&mut self) {
+        if !self.marked_idle || Instant::now() >= self.idle_written + IDLE_REFRESH {
+            self.marked_idle = self.relay.mark_idle(self.run, true).await;
+            self.idle_written = Instant::now();
         }
     }
 
@@ -573,6 +583,8 @@ mod tests {
         dues: AtomicUsize,
         /// Every outcome recorded: (key, kind).
         outcomes: Mutex<Vec<(String, &'static str)>>,
+        /// Every state the relay recorded in `<table>_relays`: idle or not.
+        states: Mutex<Vec<bool>>,
     }
 
     impl Memory {
@@ -660,10 +672,11 @@ mod tests {
         fn set_state<'a>(
             &'a self,
             _: &'a str,
-            _: bool,
+            idle: bool,
             _: Duration,
             _: Option<Duration>,
         ) -> BoxFuture<'a, Result<()>> {
+            self.states.lock().unwrap().push(idle);
             Box::pin(async { Ok(()) })
         }
 
@@ -875,6 +888,9 @@ mod tests {
             dues,
             "an idle relay without LISTEN does not probe"
         );
+        // Idle, then busy, then idle again: each recorded once.
+        tokio::time::sleep(LINGER * 4).await;
+        assert_eq!(*memory.states.lock().unwrap(), [true, false, true]);
         let _ = stop.send(());
         task.await.unwrap().unwrap();
     }

@@ -254,4 +254,5 @@ pub async fn stop_relay(
 
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
+pub mod fakes;
 pub mod proxy;
