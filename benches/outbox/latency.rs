@@ -1,0 +1,127 @@
+//! (d) Commit-to-consumer latency, woken by NOTIFY and by polling only.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_outbox::Message;
+use futures_util::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions};
+use lapin::types::FieldTable;
+use serde_json::json;
+
+use crate::env::Env;
+use crate::measure::percentile;
+use crate::{BoxResult, Figure, round};
+
+pub(crate) async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
+    let rate = 500.0;
+    let n = env.scale(5_000, 1_500);
+    let mut figures = Vec::new();
+    for notify in [true, false] {
+        let name = if notify {
+            "latency_notify"
+        } else {
+            "latency_poll"
+        };
+        let (exchange, queue) = env.queue(name).await?;
+        let (outbox, relay) = env.with_relay(name, &exchange, notify).await?;
+        // Start from a quiet relay: idle and, with notify, recorded as such for writers.
+        env.wait_idle(&outbox).await?;
+
+        // Both sides keyed by message: a delivery may reach the consumer before the writer
+        // has noted its commit (the commit's reply and the delivery race), so latencies are
+        // matched up afterwards, and one that arrived first counts as zero.
+        let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let received: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let consumer_channel = env.amqp.create_channel().await?;
+        let mut consumer = consumer_channel
+            .basic_consume(
+                queue.as_str().into(),
+                "latency".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let consume = {
+            let received = received.clone();
+            tokio::spawn(async move {
+                while let Some(Ok(delivery)) = consumer.next().await {
+                    let at = Instant::now();
+                    let key = delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|k| k.to_string())
+                        .unwrap_or_default();
+                    let _ = delivery.ack(BasicAckOptions::default()).await;
+                    received.lock().unwrap().entry(key).or_insert(at);
+                }
+            })
+        };
+        let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut writer = AsyncPgConnection::establish(&env.database_url).await?;
+        for i in 0..n {
+            ticker.tick().await;
+            let key = format!("l{i}");
+            outbox
+                .enqueue(
+                    &mut writer,
+                    Message::new("bench.latency", "{}").key(key.clone()),
+                )
+                .await?;
+            committed.lock().unwrap().insert(key, Instant::now());
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while received.lock().unwrap().len() < n && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        consume.abort();
+        relay.stop().await?;
+        env.drop_queue(&queue).await?;
+        let received = received.lock().unwrap().clone();
+        let committed = committed.lock().unwrap().clone();
+        let mut lat: Vec<f64> = committed
+            .iter()
+            .filter_map(|(key, t0)| {
+                received
+                    .get(key)
+                    .map(|at| at.saturating_duration_since(*t0).as_secs_f64() * 1e3)
+            })
+            .collect();
+        if lat.len() < n {
+            return Err(format!("only {} of {n} messages arrived", lat.len()).into());
+        }
+        let (p50, p95, p99) = (
+            percentile(&mut lat, 50.0),
+            percentile(&mut lat, 95.0),
+            percentile(&mut lat, 99.0),
+        );
+        let params = json!({ "offered_msg_per_s": rate, "messages": n, "p50_ms": round(p50), "p95_ms": round(p95), "p99_ms": round(p99), "notify": notify });
+        for (label, value, target) in [
+            ("p50", p50, if notify { "<= 5 ms" } else { "-" }),
+            ("p99", p99, if notify { "<= 25 ms" } else { "-" }),
+        ] {
+            let name: &'static str = match (notify, label) {
+                (true, "p50") => "d. commit→consumer p50, notify",
+                (true, _) => "d. commit→consumer p99, notify",
+                (false, "p50") => "d. commit→consumer p50, polling only",
+                (false, _) => "d. commit→consumer p99, polling only",
+            };
+            let f = Figure {
+                name,
+                value,
+                unit: "ms",
+                baseline: None,
+                target,
+                params: params.clone(),
+            };
+            f.emit();
+            figures.push(f);
+        }
+        let _ = p95;
+    }
+    Ok(figures)
+}

@@ -1,0 +1,175 @@
+//! The performance figures of BENCHMARKS.md, each beside a baseline measured in the same run.
+//!
+//! ```sh
+//! cargo bench --bench outbox --features cli              # everything
+//! cargo bench --bench outbox --features cli -- --quick   # smaller, under 2 minutes
+//! cargo bench --bench outbox --features cli -- --only throughput,writers   # or a,c
+//! ```
+//!
+//! One file per scenario, named by what it measures; `env` holds what they run on and
+//! `measure` how CPU, memory and percentiles are taken. Uses `DATABASE_URL` and `AMQP_URL`
+//! (local defaults), through the tests' own fixtures. Prints one JSON line per figure as it
+//! is measured, then a table.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+mod enqueue_cost;
+mod env;
+mod history;
+mod latency;
+mod measure;
+mod one_aggregate;
+mod throughput;
+mod writers;
+
+use std::time::Instant;
+
+use clap::Parser;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use serde_json::json;
+
+use crate::env::Env;
+
+pub(crate) type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[derive(Parser)]
+struct Args {
+    /// Smaller counts and shorter runs (under 2 minutes in all).
+    #[arg(long)]
+    quick: bool,
+    /// Scenarios to run (all by default), by name or by the letter of their figures in
+    /// BENCHMARKS.md.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<Scenario>,
+    /// Ignored (cargo bench passes it).
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// The scenarios, in the order they run.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Scenario {
+    /// (a) relay throughput against raw lapin, with CPU per process; (g) its memory.
+    #[value(alias = "a", alias = "g")]
+    Throughput,
+    /// (b) what an enqueue adds to a transaction.
+    #[value(alias = "b")]
+    EnqueueCost,
+    /// (c) concurrent writers with and without the outbox.
+    #[value(alias = "c")]
+    Writers,
+    /// (d) commit-to-consumer latency.
+    #[value(alias = "d")]
+    Latency,
+    /// (e) one aggregate in strict order.
+    #[value(alias = "e")]
+    OneAggregate,
+    /// (f) the claim on a long history.
+    #[value(alias = "f")]
+    History,
+}
+
+/// One measured figure beside its same-run baseline.
+pub(crate) struct Figure {
+    pub(crate) name: &'static str,
+    pub(crate) value: f64,
+    pub(crate) unit: &'static str,
+    pub(crate) baseline: Option<(&'static str, f64)>,
+    pub(crate) target: &'static str,
+    pub(crate) params: serde_json::Value,
+}
+
+impl Figure {
+    pub(crate) fn ratio(&self) -> Option<f64> {
+        self.baseline.map(|(_, b)| self.value / b)
+    }
+
+    pub(crate) fn emit(&self) {
+        let line = json!({
+            "name": self.name,
+            "value": round(self.value),
+            "unit": self.unit,
+            "baseline_name": self.baseline.map(|b| b.0),
+            "baseline_value": self.baseline.map(|b| round(b.1)),
+            "ratio": self.ratio().map(|r| (r * 1000.0).round() / 1000.0),
+            "target": self.target,
+            "params": self.params,
+        });
+        println!("{line}");
+    }
+}
+
+pub(crate) fn round(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+pub(crate) const KIB: usize = 1024;
+
+#[tokio::main]
+async fn main() -> BoxResult<()> {
+    let args = Args::parse();
+    // Dropped (with every table in it) when the run ends, however it ends.
+    let schema = common::TestSchema::new().await;
+    let amqp = common::broker::connect().await;
+    let channel = amqp.create_channel().await?;
+    let mut env = Env {
+        database_url: common::database_url(),
+        amqp_url: common::broker::amqp_url(),
+        schema: schema.name.clone(),
+        conn: common::connect().await,
+        pool: common::pool(8).await,
+        amqp,
+        channel,
+        quick: args.quick,
+    };
+    let run = |s: Scenario| args.only.is_empty() || args.only.contains(&s);
+    let started = Instant::now();
+    let mut figures = Vec::new();
+    let result = async {
+        if run(Scenario::Throughput) {
+            figures.extend(throughput::throughput(&mut env).await?);
+        }
+        if run(Scenario::EnqueueCost) {
+            figures.extend(enqueue_cost::enqueue_cost(&mut env).await?);
+        }
+        if run(Scenario::Writers) {
+            figures.push(writers::writers(&mut env).await?);
+        }
+        if run(Scenario::Latency) {
+            figures.extend(latency::latency(&mut env).await?);
+        }
+        if run(Scenario::OneAggregate) {
+            figures.extend(one_aggregate::one_aggregate(&mut env).await?);
+        }
+        if run(Scenario::History) {
+            figures.push(history::history(&mut env).await?);
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    drop(schema);
+    result?;
+
+    let mut table = Table::new();
+    table
+        .load_preset(UTF8_FULL_CONDENSED)
+        .set_header(["figure", "value", "baseline", "ratio", "target"]);
+    for f in &figures {
+        table.add_row([
+            f.name.to_owned(),
+            format!("{:.2} {}", f.value, f.unit),
+            f.baseline
+                .map_or("-".into(), |(n, v)| format!("{v:.2} {} ({n})", f.unit)),
+            f.ratio().map_or("-".into(), |r| format!("{r:.2} ×")),
+            f.target.to_owned(),
+        ]);
+    }
+    println!("{table}");
+    println!(
+        "total {:.0} s{}",
+        started.elapsed().as_secs_f64(),
+        if env.quick { " (quick)" } else { "" }
+    );
+    Ok(())
+}

@@ -1,0 +1,195 @@
+//! (a) Relay throughput against raw lapin publishing the same messages, with the CPU of
+//! each process and (g) the relay's peak memory.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Bytea, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use lapin::options::ConfirmSelectOptions;
+use serde_json::json;
+
+use crate::env::{Env, raw_publish};
+use crate::measure::{cpu_seconds, cpu_share, status_kib};
+use crate::{BoxResult, Figure, KIB};
+
+pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
+    let n = env.scale(50_000, 10_000);
+    let naive_n = env.scale(3_000, 1_000);
+    let batch: usize = std::env::var("BENCH_BATCH")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(512);
+    let (exchange, queue) = env.queue("throughput").await?;
+    let payload = vec![b'x'; KIB];
+
+    // Each arm starts right after a checkpoint, so none pays for earlier writes.
+    env.conn.batch_execute("CHECKPOINT").await?;
+    // Baseline: raw lapin, confirms, up to `window` in flight.
+    let window = 512;
+    let raw_channel = env.amqp.create_channel().await?;
+    raw_channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let started = Instant::now();
+    let cpu_before = cpu_seconds(None);
+    let mut in_flight = FuturesUnordered::new();
+    for i in 0..n {
+        if in_flight.len() >= window {
+            in_flight.next().await.expect("a confirm")?;
+        }
+        in_flight.push(raw_publish(&raw_channel, &exchange, &payload, format!("raw{i}")).await?);
+    }
+    while let Some(confirm) = in_flight.next().await {
+        confirm?;
+    }
+    let raw_rate = n as f64 / started.elapsed().as_secs_f64();
+    let raw_cpu = cpu_share(
+        cpu_before,
+        cpu_seconds(None),
+        started.elapsed().as_secs_f64(),
+    );
+    env.purge(&queue).await?;
+
+    // The relay, as its own process (the operator binary), so its memory can be read. It
+    // starts on an empty table and goes idle; the backlog then arrives in one transaction,
+    // whose commit wakes it, so the figure leaves out the process's start-up.
+    let outbox = env.outbox("throughput").await?;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
+        .args(["--table", outbox.table(), "relay", "--exchange", &exchange])
+        .args(["--batch-size", &batch.to_string()])
+        .env("DATABASE_URL", &env.database_url)
+        .env("AMQP_URL", &env.amqp_url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()?;
+    let pid = child.id();
+    env.wait_idle(&outbox).await?;
+    env.conn.batch_execute("BEGIN").await?;
+    env.enqueue_backlog(&outbox, n, None).await?;
+    // The checkpoint (from another connection, while the backlog is uncommitted) flushes
+    // the backlog's pages too.
+    env.pool.get().await?.batch_execute("CHECKPOINT").await?;
+    env.conn.batch_execute("COMMIT").await?;
+    let started = Instant::now();
+    let cpu_before = cpu_seconds(Some(pid));
+    let rss_peak = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let peak = rss_peak.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Some(kib) = status_kib(pid, "VmHWM:") {
+                    peak.store(kib, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let done = env
+        .wait_sent(&outbox, n as u64, Duration::from_secs(600))
+        .await?;
+    let relay_rate = n as f64 / (done - started).as_secs_f64();
+    let relay_cpu = cpu_share(
+        cpu_before,
+        cpu_seconds(Some(pid)),
+        (done - started).as_secs_f64(),
+    );
+    if let Some(kib) = status_kib(pid, "VmHWM:") {
+        rss_peak.store(kib, Ordering::SeqCst);
+    }
+    sampler.abort();
+    Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    child.wait()?;
+    env.purge(&queue).await?;
+
+    // The naive relay: claim one row, publish, await the confirm, mark it sent.
+    let naive = env.outbox("naive").await?;
+    env.fill(&naive, naive_n, None).await?;
+    let naive_channel = env.amqp.create_channel().await?;
+    naive_channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let mut conn = AsyncPgConnection::establish(&env.database_url).await?;
+    let claim = format!(
+        "UPDATE {t} SET lease_until = now() + interval '30 seconds', attempts = attempts + 1 \
+         WHERE id = (SELECT id FROM {t} WHERE status = 'pending' \
+         AND (lease_until IS NULL OR lease_until < now()) ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED) \
+         RETURNING id, idempotency_key AS key, payload",
+        t = naive.table()
+    );
+    let mark = format!(
+        "UPDATE {} SET status = 'sent', sent_at = now() WHERE id = $1",
+        naive.table()
+    );
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = Text)]
+        key: String,
+        #[diesel(sql_type = Bytea)]
+        payload: Vec<u8>,
+    }
+    let started = Instant::now();
+    let mut sent = 0;
+    while let Some(row) = diesel::sql_query(&claim)
+        .get_result::<Row>(&mut conn)
+        .await
+        .map(Some)
+        .or_else(|e| match e {
+            diesel::result::Error::NotFound => Ok(None),
+            e => Err(e),
+        })?
+    {
+        raw_publish(&naive_channel, &exchange, &row.payload, row.key)
+            .await?
+            .await?;
+        diesel::sql_query(&mark)
+            .bind::<BigInt, _>(row.id)
+            .execute(&mut conn)
+            .await?;
+        sent += 1;
+    }
+    assert_eq!(sent, naive_n);
+    let naive_rate = naive_n as f64 / started.elapsed().as_secs_f64();
+    env.drop_queue(&queue).await?;
+
+    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process", "cpu_raw": raw_cpu, "cpu_relay": relay_cpu });
+    let figures = vec![
+        Figure {
+            name: "a. relay vs raw lapin",
+            value: relay_rate,
+            unit: "msg/s",
+            baseline: Some(("raw lapin, pipelined confirms", raw_rate)),
+            target: ">= 0.90 x",
+            params: params.clone(),
+        },
+        Figure {
+            name: "a. relay vs naive relay",
+            value: relay_rate,
+            unit: "msg/s",
+            baseline: Some(("naive relay", naive_rate)),
+            target: ">= 10 x",
+            params: params.clone(),
+        },
+        Figure {
+            name: "g. relay peak RSS",
+            value: AtomicU64::load(&rss_peak, Ordering::SeqCst) as f64 / 1024.0,
+            unit: "MiB",
+            baseline: None,
+            target: "<= 64 MiB",
+            params,
+        },
+    ];
+    for f in &figures {
+        f.emit();
+    }
+    Ok(figures)
+}
