@@ -50,29 +50,20 @@
 //!
 //! # The relay
 //! [`Outbox::relay`] builds a [`Relay`] on a bb8 pool ([`PgPool`]) and a [`Publisher`]
-//! (the RabbitMQ one, or your own through [`publisher_fn`]). Each cycle:
-//! 1. **claims** up to `batch_size` due rows, and at most `max_batch_bytes` of payload and
-//!    headers, in one statement (`FOR UPDATE SKIP LOCKED`, so relays pass over each other),
-//!    stamping a lease and incrementing the fencing token. Of an aggregate only its oldest
-//!    pending row (its head) is claimed on its own; behind a head on its first attempt the
-//!    claim also takes the run of due successors (the batch's room is shared among the
-//!    heads, at most 1,000 each), locked and checked again, and cut at the first one that
-//!    is not available. No two relays ever hold leases on rows of one aggregate: a head is
-//!    left alone while another relay holds leases among its next successors;
-//! 2. **publishes** outside any transaction, holding no connection: one by one up to
-//!    `concurrency` at a time, or the whole batch at once for a pipelining publisher;
-//! 3. **records** the outcomes in one statement fenced by token and status: sent, retry
-//!    (capped exponential backoff with jitter), dead (after `max_attempts`, or a permanent
-//!    error), or released (attempt given back).
+//! (the RabbitMQ one, or your own through [`publisher_fn`]). It claims due rows in batches
+//! (up to `batch_size` rows and `max_batch_bytes` of payload and headers) under a lease,
+//! publishes them outside any transaction and holding no connection, and records each
+//! batch's outcomes in one statement: sent; retried after a capped exponential backoff with
+//! jitter; dead after `max_attempts` or a permanent error; or released (its attempt given
+//! back). Several batches publish at once while the next is claimed, so database and broker
+//! work overlap. Many relays, in one process or many, can run on one table: claims skip
+//! each other's rows, and outcomes are fenced.
 //!
-//! Up to three batches publish at once, each on a task of its own that then records the
-//! outcomes, and the relay keeps the next batch claimed and waiting, so the broker is fed
-//! again the moment a batch's confirms are in and database and broker work overlap. A run
-//! of one aggregate is published one message at a time, each after its predecessor's
-//! confirm, so a backlog of one aggregate drains at the broker's round-trip speed. After a
-//! failure the rest of the run is released untried. When nothing is due the relay sleeps
-//! until a NOTIFY (held on a dedicated connection that reconnects by itself) or
-//! `poll_interval`. Times always come from the database clock.
+//! Messages of one aggregate go out one at a time, each after its predecessor's confirm, so
+//! a backlog of one aggregate drains at the broker's round-trip speed; after a failure the
+//! rest of that aggregate waits for the retry. When nothing is due the relay sleeps until a
+//! commit wakes it (see "Wake-up") or `poll_interval` passes. Times always come from the
+//! database clock.
 //!
 //! # Failure isolation
 //! One bad message costs nothing but itself:
@@ -125,23 +116,15 @@
 //! embeds them for diesel's harness (default table only).
 //!
 //! # Wake-up
-//! Relays are woken the moment an enqueuing transaction commits (a NOTIFY is delivered only
-//! on commit). A notifying commit takes a cluster-wide lock, which serialises concurrent
-//! committing writers, so writers notify only while some relay is idle. Which is decided by
-//! a lock, not by reading a table, so that no wake-up is lost whatever the writer's
-//! isolation level and however long its transaction was open:
-//! - an idle relay holds the *wake lock*, `pg_advisory_lock(`[`WAKE_LOCK_CLASS`]`, <table
-//!   oid>)`, on its LISTEN connection;
-//! - an enqueue tries the same lock shared for the rest of its transaction
-//!   (`pg_try_advisory_xact_lock_shared`): if that fails a relay is idle, and the enqueue
-//!   sends its NOTIFY; if it succeeds no NOTIFY is sent, and a relay going idle cannot take
-//!   the lock until this transaction has ended, and looks for work once more when it has.
-//!
-//! A relay that has just worked keeps looking every few milliseconds for a short while
-//! before it calls itself idle, so under steady traffic writers send no NOTIFY at all, and
-//! after a quiet spell the first commit wakes the relay at once. Of several idle relays one
-//! holds the lock and the others try again every 25 ms (a NOTIFY reaches them all).
-//! [`OutboxBuilder::without_notify`] turns notifying off entirely; relays then rely on
+//! Relays are woken the moment an enqueuing transaction commits: the enqueue sends a NOTIFY,
+//! which PostgreSQL delivers only on commit. A notifying commit takes a cluster-wide lock,
+//! which serialises concurrent committing writers, so writers notify only while some relay
+//! is idle: under steady traffic they send no NOTIFY at all, and after a quiet spell the
+//! first commit wakes a relay at once. Which relay is idle is decided by an advisory lock an
+//! idle relay holds, `pg_advisory_lock(`[`WAKE_LOCK_CLASS`]`, <table oid>)`, not by reading a
+//! table, so no wake-up is lost whatever the writer's isolation level and however long its
+//! transaction was open. Do not use the class [`WAKE_LOCK_CLASS`] for advisory locks of your
+//! own. [`OutboxBuilder::without_notify`] turns notifying off entirely; relays then rely on
 //! polling.
 //!
 //! # Privileges

@@ -1,4 +1,5 @@
-//! The relay loop: claim a batch, publish it outside any transaction, record the outcomes.
+//! The relay: its public handle and builder. The machinery is in the submodules, the loop in
+//! `run`; ARCHITECTURE.md says which does what.
 
 mod janitor;
 pub(crate) mod listener;
@@ -172,7 +173,7 @@ impl<P: Publisher> RelayBuilder<P> {
     /// confirm timeout) and the `drain_timeout` must each be at most half the lease.
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] naming the option and its valid range.
+    /// [`Error::InvalidOption`](crate::Error::InvalidOption) naming the option and its valid range.
     pub fn build(self) -> Result<Relay<P>> {
         let store = Arc::new(PgStore {
             outbox: self.outbox.clone(),
@@ -273,7 +274,7 @@ impl<P: Publisher> Relay<P> {
     /// [`PublishError::unavailable`]: crate::PublishError::unavailable
     ///
     /// # Errors
-    /// [`Error::NotMigrated`] when the table does not exist.
+    /// [`Error::NotMigrated`](crate::Error::NotMigrated) when the table does not exist.
     pub async fn run_until(&self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         self.run_until_shutdown(shutdown).await
     }
@@ -282,7 +283,7 @@ impl<P: Publisher> Relay<P> {
     /// Needs no LISTEN connection and starts no janitor.
     ///
     /// # Errors
-    /// A database or pool error, or [`Error::NotMigrated`].
+    /// A database or pool error, or [`Error::NotMigrated`](crate::Error::NotMigrated).
     pub async fn run_once(&self) -> Result<usize> {
         let batch = self.claim(None).await?;
         let claimed = batch.claimed();
