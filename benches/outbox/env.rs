@@ -228,14 +228,7 @@ pub(crate) struct RunningRelay {
 
 impl RunningRelay {
     pub(crate) fn start<P: Publisher>(relay: diesel_outbox::Relay<P>) -> Self {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            relay
-                .run_until(async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let (stop, task) = crate::common::spawn_relay(relay);
         RunningRelay {
             stop: Some(stop),
             task,
