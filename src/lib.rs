@@ -108,12 +108,14 @@
 //!
 //! # Schema
 //! [`Outbox::migrate`] creates the table `<name>`, the inbox `<name>_inbox`, the version
-//! table `<name>_migrations` and `<name>_relays`, where running relays keep a record (idle
-//! or not, and since when their broker has been unreachable). It runs in one transaction
+//! table `<name>_migrations` and `<name>_relays`, where relays record when they are idle
+//! and since when their broker has been unreachable. It runs in one transaction
 //! under an advisory lock, safe from many processes, and applies only the missing schema
 //! versions. [`Outbox::sql`] gives the same statements to your own migration tool,
-//! [`Outbox::diesel_migrations`] one diesel CLI migration per version, and [`MIGRATIONS`]
-//! embeds them for diesel's harness (default table only).
+//! [`Outbox::diesel_migrations`] one diesel CLI migration per version, [`MIGRATIONS`]
+//! embeds them for diesel's harness (default table), and [`Outbox::migrations`] gives them
+//! to that harness for any table name. [`schema`] holds the `table!` definitions of the
+//! default tables, for typed reads.
 //!
 //! # Wake-up
 //! Relays are woken the moment an enqueuing transaction commits: the enqueue sends a NOTIFY,

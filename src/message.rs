@@ -203,8 +203,7 @@ impl Message {
 
     /// The delay in whole microseconds, as bound into SQL.
     pub(crate) fn delay_micros(&self) -> i64 {
-        // Validated against MAX_DELAY, so this always fits.
-        i64::try_from(self.delay.as_micros()).unwrap_or(i64::MAX)
+        crate::sql::micros(self.delay)
     }
 }
 

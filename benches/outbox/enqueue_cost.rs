@@ -7,7 +7,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_outbox::Message;
 use serde_json::json;
 
-use crate::env::Env;
+use crate::fixture::Env;
 use crate::measure::{mean, percentile};
 use crate::{BoxResult, Figure, KIB, round};
 

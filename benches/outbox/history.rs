@@ -6,7 +6,7 @@ use diesel_async::SimpleAsyncConnection;
 use diesel_outbox::{PublishError, Publisher, Record};
 use serde_json::json;
 
-use crate::env::{Env, RunningRelay};
+use crate::fixture::{Env, RunningRelay};
 use crate::{BoxResult, Figure};
 
 /// Acks at once: isolates the database side of claim and mark.

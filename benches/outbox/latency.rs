@@ -11,7 +11,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use serde_json::json;
 
-use crate::env::Env;
+use crate::fixture::Env;
 use crate::measure::percentile;
 use crate::{BoxResult, Figure, round};
 

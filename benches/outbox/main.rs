@@ -2,11 +2,11 @@
 //!
 //! ```sh
 //! cargo bench --bench outbox --features cli              # everything
-//! cargo bench --bench outbox --features cli -- --quick   # smaller, under 2 minutes
+//! cargo bench --bench outbox --features cli -- --quick   # smaller, under a minute
 //! cargo bench --bench outbox --features cli -- --only throughput,writers   # or a,c
 //! ```
 //!
-//! One file per scenario, named by what it measures; `env` holds what they run on and
+//! One file per scenario, named by what it measures; `fixture` holds what they run on and
 //! `measure` how CPU, memory and percentiles are taken. Uses `DATABASE_URL` and `AMQP_URL`
 //! (local defaults), through the tests' own fixtures. Prints one JSON line per figure as it
 //! is measured, then a table.
@@ -15,7 +15,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 mod enqueue_cost;
-mod env;
+mod fixture;
 mod history;
 mod latency;
 mod measure;
@@ -29,13 +29,13 @@ use clap::Parser;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use serde_json::json;
 
-use crate::env::Env;
+use crate::fixture::Env;
 
 pub(crate) type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Parser)]
 struct Args {
-    /// Smaller counts and shorter runs (under 2 minutes in all).
+    /// Smaller counts and shorter runs (under a minute in all).
     #[arg(long)]
     quick: bool,
     /// Scenarios to run (all by default), by name or by the letter of their figures in

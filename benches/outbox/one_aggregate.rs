@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use lapin::options::ConfirmSelectOptions;
 use serde_json::json;
 
-use crate::env::{Env, RunningRelay, raw_publish};
+use crate::fixture::{Env, RunningRelay, raw_publish};
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {

@@ -14,7 +14,7 @@ use futures_util::stream::FuturesUnordered;
 use lapin::options::ConfirmSelectOptions;
 use serde_json::json;
 
-use crate::env::{Env, raw_publish};
+use crate::fixture::{Env, raw_publish};
 use crate::measure::{cpu_seconds, cpu_share, status_kib};
 use crate::{BoxResult, Figure, KIB};
 

@@ -9,7 +9,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_outbox::Message;
 use serde_json::json;
 
-use crate::env::Env;
+use crate::fixture::Env;
 use crate::measure::mean;
 use crate::{BoxResult, Figure};
 

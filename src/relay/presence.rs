@@ -1,5 +1,6 @@
-//! Presence: each running relay keeps a record in `<table>_relays` (idle or not, and since
-//! when its broker has been unreachable), for operators and `stats`. Writers do not read
+//! Presence: relays record in `<table>_relays` when they are idle (renewed while it lasts)
+//! and since when their broker has been unreachable, for operators and `stats`; a busy
+//! relay's record says so once, then lapses. Writers do not read
 //! it: they go by the wake lock (see `listener`).
 
 use std::time::Duration;

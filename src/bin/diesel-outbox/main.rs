@@ -1,11 +1,11 @@
 //! `diesel-outbox`: migrate, inspect, redrive, purge and relay an outbox from the shell.
 //!
 //! One file per group of subcommands (`schema`: migrate and sql; `ops`: stats, dead,
-//! redrive, purge; `relay`), the argument types in `args`, redaction of every URL-valued
-//! argument in `secret`, and output through any writer in `output`.
+//! redrive, purge; `relay`), durations and ages in `durations`, redaction of every
+//! URL-valued argument in `secret`, and output through any writer in `output`.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
-mod args;
+mod durations;
 mod ops;
 mod output;
 mod relay;
@@ -142,12 +142,15 @@ async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Failure> {
             "no database: pass --database-url or set DATABASE_URL",
         )
     })?;
-    if let Command::Relay(args) = cli.command {
-        return relay::run(&outbox, &url, args).await;
-    }
+    // Every command, the relay too, fails at once on a database it cannot reach, with the
+    // cause (the relay's pool would only time out).
     let mut conn = AsyncPgConnection::establish(url.expose())
         .await
         .map_err(|e| Failure::new(CONNECTION, format!("cannot connect to the database: {e}")))?;
+    if let Command::Relay(args) = cli.command {
+        drop(conn);
+        return relay::run(&outbox, &url, args).await;
+    }
     match cli.command {
         Command::Migrate => schema::migrate(&outbox, &mut conn, &mut output).await,
         Command::Stats => ops::stats(&outbox, &mut conn, &mut output).await,

@@ -9,7 +9,7 @@ use diesel_outbox::Outbox;
 use serde_json::json;
 
 use crate::Failure;
-use crate::args::Age;
+use crate::durations::Age;
 use crate::output::Output;
 
 #[derive(Args)]

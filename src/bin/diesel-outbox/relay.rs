@@ -9,7 +9,7 @@ use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Error, Outbox, PgPool};
 use futures_util::FutureExt;
 
-use crate::args::{Age, Span};
+use crate::durations::{Age, Period};
 use crate::secret::SecretUrl;
 use crate::{CONNECTION, Failure};
 
@@ -28,23 +28,23 @@ pub(crate) struct RelayArgs {
     #[arg(long, default_value_t = defaults::CONCURRENCY)]
     pub(crate) concurrency: usize,
     /// Claim lease.
-    #[arg(long, default_value_t = Span(defaults::LEASE), allow_hyphen_values = true)]
-    pub(crate) lease: Span,
+    #[arg(long, default_value_t = Period(defaults::LEASE), allow_hyphen_values = true)]
+    pub(crate) lease: Period,
     /// Poll interval when not woken.
-    #[arg(long, default_value_t = Span(defaults::POLL_INTERVAL), allow_hyphen_values = true)]
-    pub(crate) poll_interval: Span,
+    #[arg(long, default_value_t = Period(defaults::POLL_INTERVAL), allow_hyphen_values = true)]
+    pub(crate) poll_interval: Period,
     /// Attempts before a message is dead-lettered.
     #[arg(long, default_value_t = defaults::MAX_ATTEMPTS)]
     pub(crate) max_attempts: u32,
     /// Smallest retry backoff.
-    #[arg(long, default_value_t = Span(defaults::BACKOFF_MIN), allow_hyphen_values = true)]
-    pub(crate) backoff_min: Span,
+    #[arg(long, default_value_t = Period(defaults::BACKOFF_MIN), allow_hyphen_values = true)]
+    pub(crate) backoff_min: Period,
     /// Largest retry backoff.
-    #[arg(long, default_value_t = Span(defaults::BACKOFF_MAX), allow_hyphen_values = true)]
-    pub(crate) backoff_max: Span,
+    #[arg(long, default_value_t = Period(defaults::BACKOFF_MAX), allow_hyphen_values = true)]
+    pub(crate) backoff_max: Period,
     /// How long publishes under way may finish on shutdown.
-    #[arg(long, default_value_t = Span(defaults::DRAIN_TIMEOUT), allow_hyphen_values = true)]
-    pub(crate) drain_timeout: Span,
+    #[arg(long, default_value_t = Period(defaults::DRAIN_TIMEOUT), allow_hyphen_values = true)]
+    pub(crate) drain_timeout: Period,
     /// Poll only; do not LISTEN for wake-ups (behind a pooler in transaction mode).
     #[arg(long)]
     without_listen: bool,
@@ -55,8 +55,8 @@ pub(crate) struct RelayArgs {
     #[arg(long, default_value_t = Age(Some(defaults::INBOX_RETENTION)), allow_hyphen_values = true)]
     pub(crate) inbox_retention: Age,
     /// Broker confirm timeout per batch.
-    #[arg(long, default_value_t = Span(defaults::CONFIRM_TIMEOUT), allow_hyphen_values = true)]
-    pub(crate) confirm_timeout: Span,
+    #[arg(long, default_value_t = Period(defaults::CONFIRM_TIMEOUT), allow_hyphen_values = true)]
+    pub(crate) confirm_timeout: Period,
     /// The most payload and header bytes one claim takes (at least one row).
     #[arg(long, default_value_t = defaults::MAX_BATCH_BYTES)]
     pub(crate) max_batch_bytes: usize,

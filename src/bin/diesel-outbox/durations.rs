@@ -1,5 +1,5 @@
-//! Argument types shared by the commands: durations (`500ms`, `30s`, `7d`) and ages
-//! (a duration, or `off`), each shown in `--help` as it is parsed.
+//! Durations (`500ms`, `30s`, `7d`) and ages (a duration, or `off`) as the commands take
+//! them, each shown in `--help` as it is written.
 
 use std::fmt;
 use std::str::FromStr;
@@ -7,9 +7,9 @@ use std::time::Duration;
 
 /// A duration as written on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Span(pub(crate) Duration);
+pub(crate) struct Period(pub(crate) Duration);
 
-impl FromStr for Span {
+impl FromStr for Period {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -17,14 +17,27 @@ impl FromStr for Span {
             return Err("a negative duration is not allowed".into());
         }
         humantime::parse_duration(s)
-            .map(Span)
+            .map(Period)
             .map_err(|e| format!("{e} (examples: 500ms, 30s, 12h, 7d)"))
     }
 }
 
-impl fmt::Display for Span {
+impl fmt::Display for Period {
+    /// In the largest unit that divides it: `7d`, `5m`, `30s`, `1500ms`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", humantime::format_duration(self.0))
+        let d = self.0;
+        if d.subsec_nanos() == 0 && d.as_secs() > 0 {
+            for (secs, unit) in [(86_400, "d"), (3_600, "h"), (60, "m"), (1, "s")] {
+                if d.as_secs().is_multiple_of(secs) {
+                    return write!(f, "{}{unit}", d.as_secs() / secs);
+                }
+            }
+        }
+        if d.subsec_nanos().is_multiple_of(1_000_000) {
+            write!(f, "{}ms", d.as_millis())
+        } else {
+            write!(f, "{}", humantime::format_duration(d))
+        }
     }
 }
 
@@ -39,14 +52,14 @@ impl FromStr for Age {
         if s == "off" {
             return Ok(Age(None));
         }
-        s.parse::<Span>().map(|span| Age(Some(span.0)))
+        s.parse::<Period>().map(|span| Age(Some(span.0)))
     }
 }
 
 impl fmt::Display for Age {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.0 {
-            Some(d) => Span(d).fmt(f),
+            Some(d) => Period(d).fmt(f),
             None => f.write_str("off"),
         }
     }
@@ -64,10 +77,16 @@ mod tests {
             Duration::from_secs(5 * 60),
             Duration::from_secs(7 * 24 * 60 * 60),
         ] {
-            assert_eq!(Span(d).to_string().parse::<Span>(), Ok(Span(d)));
+            assert_eq!(Period(d).to_string().parse::<Period>(), Ok(Period(d)));
             assert_eq!(Age(Some(d)).to_string().parse::<Age>(), Ok(Age(Some(d))));
         }
+        assert_eq!(
+            Period(Duration::from_secs(7 * 24 * 60 * 60)).to_string(),
+            "7d"
+        );
+        assert_eq!(Period(Duration::from_secs(300)).to_string(), "5m");
+        assert_eq!(Period(Duration::from_millis(1500)).to_string(), "1500ms");
         assert_eq!("off".parse::<Age>(), Ok(Age(None)));
-        assert!("-5d".parse::<Span>().unwrap_err().contains("negative"));
+        assert!("-5d".parse::<Period>().unwrap_err().contains("negative"));
     }
 }
