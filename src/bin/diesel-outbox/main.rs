@@ -236,22 +236,37 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_database_password_never_reaches_stderr() {
-        let argv = [
-            "diesel-outbox",
-            "--database-url",
-            "postgres://postgres:hunter2@127.0.0.1:1/test",
-            "stats",
-        ];
-        let matches = Cli::command().try_get_matches_from(argv).unwrap();
-        let secrets = Secrets::of(&matches);
-        let cli = Cli::from_arg_matches(&matches).unwrap();
-        let mut err = Vec::new();
-        let code = report(run(cli, &mut Vec::new()).await, &secrets, &mut err);
-        let err = String::from_utf8(err).unwrap();
-        assert_eq!(code, CONNECTION, "{err}");
-        assert!(err.contains("cannot connect to the database"), "{err}");
-        assert!(!err.contains("hunter2"), "{err}");
+    async fn an_unreachable_database_fails_at_once_and_its_password_never_reaches_stderr() {
+        for command in [
+            &["stats"][..],
+            &["relay", "--exchange", "x", "--amqp-url", "amqp://x"],
+        ] {
+            let argv = [
+                "diesel-outbox",
+                "--database-url",
+                "postgres://postgres:hunter2@127.0.0.1:1/test",
+            ]
+            .into_iter()
+            .chain(command.iter().copied());
+            let matches = Cli::command().try_get_matches_from(argv).unwrap();
+            let secrets = Secrets::of(&matches);
+            let cli = Cli::from_arg_matches(&matches).unwrap();
+            let mut err = Vec::new();
+            let started = std::time::Instant::now();
+            let code = report(run(cli, &mut Vec::new()).await, &secrets, &mut err);
+            let err = String::from_utf8(err).unwrap();
+            assert_eq!(code, CONNECTION, "{command:?}: {err}");
+            assert!(
+                err.contains("cannot connect to the database"),
+                "{command:?}: {err}"
+            );
+            assert!(!err.contains("hunter2"), "{command:?}: {err}");
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(5),
+                "{command:?} took {:?}",
+                started.elapsed()
+            );
+        }
     }
 
     #[test]
