@@ -1,5 +1,5 @@
 //! The whole path once: orders enqueue events in their own transactions (one is rolled
-//! back), a relay ships them to RabbitMQ, and an idempotent consumer turns each into an
+//! back), a relay ships them to RabbitMQ, and the consumer runner turns each into an
 //! invoice exactly once, even when a message is delivered twice.
 //!
 //! ```sh
@@ -9,18 +9,20 @@
 //! Uses `DATABASE_URL` (default: the local `test` database) and `AMQP_URL` (default: the
 //! local broker). Creates its own tables (`quickstart_*`), exchange and queue.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::consumer::{Consumer, Delivery, HandleError, handler_fn, rabbitmq};
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
-use diesel_outbox::{Error, Message, Outbox, PgPool};
-use futures_util::StreamExt;
+use diesel_outbox::{Consumed, Error, Message, Metrics, Outbox, PgPool};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions, QueuePurgeOptions,
+    BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -104,62 +106,69 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     // 2. The relay ships committed rows to RabbitMQ.
     let pool: PgPool = PgPool::builder()
-        .max_size(4)
+        .max_size(6)
         .test_on_check_out(false)
         .build(AsyncDieselConnectionManager::new(&database_url))
         .await?;
     let publisher = RabbitMqPublisher::builder(&amqp_url, EXCHANGE)
         .connect()
         .await?;
-    let relay = outbox.relay(pool, publisher).build()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = outbox.relay(pool.clone(), publisher).build()?;
+    let (stop_relay, relay_stopped) = tokio::sync::oneshot::channel::<()>();
     let relay_task = tokio::spawn(async move {
         relay
             .run_until(async {
-                let _ = stopped.await;
+                let _ = relay_stopped.await;
             })
             .await
     });
 
-    // 3. The invoicing consumer (below) runs until every committed order is invoiced. One
-    //    message is delivered a second time, as after a relay crash between the broker's
-    //    confirm and marking the row sent.
-    let mut consumer = channel
-        .basic_consume(
-            QUEUE.into(),
-            "invoicing".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    let (mut consumed, mut duplicates, mut redelivered) = (0, 0, false);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while count(&mut conn, "quickstart_invoices").await? < enqueued || duplicates == 0 {
-        let delivery = tokio::time::timeout_at(deadline, consumer.next())
+    // 3. The invoicing consumer: the crate's runner writes each invoice and its dedupe
+    //    record in one transaction, and acknowledges the broker only after the commit.
+    let tally = Tally::default();
+    let consumer = Consumer::builder(outbox.clone(), pool, "invoicing")
+        .source(rabbitmq::Source::queue(&amqp_url, QUEUE))
+        .handler(handler_fn(|delivery, conn| {
+            Box::pin(invoice(delivery, conn))
+        }))
+        .metrics(tally.clone())
+        .build()?;
+    let (stop_consumer, consumer_stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer_task = tokio::spawn(async move {
+        consumer
+            .run_until(async {
+                let _ = consumer_stopped.await;
+            })
             .await
-            .map_err(|_| "timed out waiting for deliveries")?
-            .ok_or("consumer closed")??;
-        consumed += 1;
-        if invoice(&mut conn, &outbox, &delivery).await? {
-            if !redelivered {
-                redeliver(&channel, &delivery).await?;
-                redelivered = true;
-            }
-        } else {
-            duplicates += 1;
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while count(&mut conn, "quickstart_invoices").await? < enqueued {
+        if tokio::time::Instant::now() > deadline {
+            return Err("timed out waiting for the invoices".into());
         }
-        // Ack only after the transaction committed: a crash before it means a redelivery,
-        // which dedupe then recognises.
-        delivery.ack(BasicAckOptions::default()).await?;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // One message is delivered a second time, as after a relay crash between the broker's
+    // confirm and marking the row sent: same message id, same payload.
+    redeliver(&channel, 1).await?;
+    while tally.get(Consumed::Duplicate) < 1 {
+        if tokio::time::Instant::now() > deadline {
+            return Err("timed out waiting for the duplicate".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    let _ = stop.send(());
+    let _ = stop_consumer.send(());
+    consumer_task.await??;
+    let _ = stop_relay.send(());
     relay_task.await??;
     let stats = outbox.stats(&mut conn).await?;
+    let applied = tally.get(Consumed::Applied);
+    let duplicates = tally.get(Consumed::Duplicate);
     println!("orders attempted:    {}", ORDERS.len());
     println!("events enqueued:     {enqueued} (1 rolled back with its order)");
     println!("published (sent):    {}", stats.sent);
-    println!("deliveries consumed: {consumed}");
+    println!("deliveries consumed: {}", applied + duplicates);
     println!("duplicates skipped:  {duplicates}");
     println!(
         "invoices written:    {}",
@@ -169,48 +178,50 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     Ok(())
 }
 
-/// The idempotent consumer: dedupe and the effect in one transaction. Returns whether the
-/// delivery was new.
-async fn invoice(
-    conn: &mut AsyncPgConnection,
-    outbox: &Outbox,
-    delivery: &lapin::message::Delivery,
-) -> Result<bool, Error> {
-    let key = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|id| id.to_string())
-        .unwrap_or_default();
-    let event: serde_json::Value = serde_json::from_slice(&delivery.data)
-        .map_err(|e| Error::InvalidMessage(format!("bad event: {e}")))?;
-    conn.transaction(async |c| {
-        if !outbox.dedupe(c, "invoicing", &key).await? {
-            return Ok(false);
-        }
-        diesel::sql_query("INSERT INTO quickstart_invoices (order_id, total) VALUES ($1, $2)")
-            .bind::<Integer, _>(event["order_id"].as_i64().unwrap_or_default() as i32)
-            .bind::<Integer, _>(event["total"].as_i64().unwrap_or_default() as i32)
-            .execute(c)
-            .await?;
-        Ok(true)
-    })
-    .await
+/// The invoice for one `order.created` event, on the runner's connection and inside its
+/// transaction: it commits together with the dedupe record, or not at all.
+async fn invoice(delivery: &Delivery, conn: &mut AsyncPgConnection) -> Result<(), HandleError> {
+    let event: serde_json::Value = delivery.json().map_err(HandleError::reject)?;
+    let field = |name: &str| event[name].as_i64().and_then(|v| i32::try_from(v).ok());
+    let (Some(order_id), Some(total)) = (field("order_id"), field("total")) else {
+        return Err(HandleError::reject("not an order.created event"));
+    };
+    diesel::sql_query("INSERT INTO quickstart_invoices (order_id, total) VALUES ($1, $2)")
+        .bind::<Integer, _>(order_id)
+        .bind::<Integer, _>(total)
+        .execute(conn)
+        .await
+        .map_err(HandleError::retry)?;
+    Ok(())
 }
 
-/// Publishes a copy of `delivery` with the same message id.
-async fn redeliver(
-    channel: &Channel,
-    delivery: &lapin::message::Delivery,
-) -> Result<(), lapin::Error> {
+/// Counts the consumer's deliveries by how they ended.
+#[derive(Clone, Default)]
+struct Tally(Arc<Mutex<HashMap<Consumed, u64>>>);
+
+impl Tally {
+    fn get(&self, result: Consumed) -> u64 {
+        self.0.lock().unwrap().get(&result).copied().unwrap_or(0)
+    }
+}
+
+impl Metrics for Tally {
+    fn consumed(&self, _topic: &str, result: Consumed) {
+        *self.0.lock().unwrap().entry(result).or_default() += 1;
+    }
+}
+
+/// Publishes again the event of order `id`, with the same message id.
+async fn redeliver(channel: &Channel, id: i32) -> Result<(), lapin::Error> {
+    let (_, customer, total) = ORDERS[usize::try_from(id - 1).unwrap_or(0)];
+    let event = serde_json::json!({ "order_id": id, "customer": customer, "total": total });
     channel
         .basic_publish(
             EXCHANGE.into(),
-            delivery.routing_key.clone(),
+            "order.created".into(),
             BasicPublishOptions::default(),
-            &delivery.data,
-            BasicProperties::default()
-                .with_message_id(delivery.properties.message_id().clone().unwrap_or_default()),
+            event.to_string().as_bytes(),
+            BasicProperties::default().with_message_id(format!("order-{id}-created").into()),
         )
         .await?
         .await?;

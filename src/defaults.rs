@@ -35,6 +35,15 @@ pub const INBOX_RETENTION: Duration = Duration::from_secs(30 * DAY.as_secs());
 /// [`RelayBuilder::max_batch_bytes`](crate::RelayBuilder::max_batch_bytes): 16 MiB.
 pub const MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
 
+/// [`ConsumerBuilder::concurrency`](crate::consumer::ConsumerBuilder::concurrency).
+pub const CONSUMER_CONCURRENCY: usize = 4;
+/// [`ConsumerBuilder::max_deliveries`](crate::consumer::ConsumerBuilder::max_deliveries).
+pub const MAX_DELIVERIES: u32 = 10;
+/// [`ConsumerBuilder::backoff`](crate::consumer::ConsumerBuilder::backoff)'s minimum.
+pub const CONSUMER_BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// [`ConsumerBuilder::backoff`](crate::consumer::ConsumerBuilder::backoff)'s maximum.
+pub const CONSUMER_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
 /// The RabbitMQ publisher's
 /// [`confirm_timeout`](crate::rabbitmq::RabbitMqPublisherBuilder::confirm_timeout).
 #[cfg(feature = "rabbitmq")]

@@ -34,7 +34,8 @@
 //!   as a dead letter with its reason recorded.
 //! - **Idempotency key on every attempt**: every delivery of a message carries the same key
 //!   (a random UUID v4 unless you set one). Delivery is at least once: consumers must
-//!   dedupe ([`Outbox::dedupe`], [`DedupeExt`]).
+//!   dedupe ([`Outbox::dedupe`], [`DedupeExt`]), or run on the [`consumer`] runner, which
+//!   does it for them.
 //! - **Per-aggregate order**: messages that share an aggregate key are published one at a
 //!   time, in id (enqueue) order. Ids of *concurrent* transactions commit out of order, so
 //!   writers of one aggregate must be serialised, as they usually are by a lock on the
@@ -101,7 +102,8 @@
 
 //! # Features
 //! - `sync`: the `sync` module, for `diesel::PgConnection` (links libpq).
-//! - `rabbitmq`: the RabbitMQ publisher, `rabbitmq::RabbitMqPublisher` (lapin).
+//! - `rabbitmq`: the RabbitMQ publisher, `rabbitmq::RabbitMqPublisher`, and the consumer
+//!   runner's RabbitMQ source, `consumer::rabbitmq::Source` (lapin).
 //! - `cli`: the `diesel-outbox` operator binary.
 //!
 //! No feature is on by default; the core never depends on AMQP.
@@ -133,7 +135,7 @@
 //! Roles need these grants on the configured table `<table>` (and `USAGE` on its schema):
 //! - a writer (enqueue): `INSERT` on `<table>` and `SELECT (idempotency_key)` on it; the
 //!   wake lock and `pg_notify` need nothing;
-//! - a consumer (dedupe): `INSERT` on `<table>_inbox`;
+//! - a consumer (dedupe, or the [`consumer`] runner): `INSERT` on `<table>_inbox`;
 //! - a relay: `SELECT, UPDATE, DELETE` on `<table>` and `<table>_inbox`, and `SELECT,
 //!   INSERT, UPDATE, DELETE` on `<table>_relays`;
 //! - `migrate`: the right to create tables in the schema (and the schema itself for a
@@ -155,6 +157,7 @@
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 
 mod backoff;
+pub mod consumer;
 pub mod defaults;
 mod enqueue;
 mod error;
@@ -174,7 +177,7 @@ pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::inbox::DedupeExt;
 pub use crate::message::Message;
-pub use crate::metrics::{Metrics, NoMetrics};
+pub use crate::metrics::{Consumed, Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{Outbox, OutboxBuilder};
 #[cfg(feature = "rabbitmq")]

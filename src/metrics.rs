@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use crate::publisher::PublishError;
 
-/// Relay events, for counters and histograms. Implement the ones you need; the others do
-/// nothing. Called on the relay's task: keep them cheap and non-blocking.
+/// Relay and consumer events, for counters and histograms. Implement the ones you need; the
+/// others do nothing. Called on the relay's (or consumer's) tasks: keep them cheap and
+/// non-blocking.
 pub trait Metrics: Send + Sync + 'static {
     /// `n` rows were claimed in one cycle.
     fn claimed(&self, n: usize) {
@@ -50,6 +51,37 @@ pub trait Metrics: Send + Sync + 'static {
     /// relay's lease ran out: fencing at work.
     fn fenced(&self, n: usize) {
         let _ = n;
+    }
+
+    /// The consumer runner ended one run of a delivery of `topic`.
+    fn consumed(&self, topic: &str, result: Consumed) {
+        let _ = (topic, result);
+    }
+}
+
+/// How the consumer runner ended one run of a delivery, for [`Metrics::consumed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Consumed {
+    /// Its handler applied it, and it was acknowledged.
+    Applied,
+    /// Its key was known already: acknowledged without running the handler.
+    Duplicate,
+    /// The run failed and rolled back; the delivery runs again after a backoff.
+    Retried,
+    /// Rejected: by its handler, or after `max_deliveries` runs.
+    Rejected,
+}
+
+impl Consumed {
+    /// `applied`, `duplicate`, `retried` or `rejected`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Consumed::Applied => "applied",
+            Consumed::Duplicate => "duplicate",
+            Consumed::Retried => "retried",
+            Consumed::Rejected => "rejected",
+        }
     }
 }
 

@@ -35,18 +35,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::TestSchema;
-use common::broker::{amqp_authority, amqp_url, amqp_url_via, message_id, rabbitmqctl};
+use common::broker::{amqp_authority, amqp_url, amqp_url_via, rabbitmqctl};
 use common::proxy::FaultProxy;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::consumer::{self, Consumer, HandleError, handler_fn};
 use diesel_outbox::{Error, Message, Outbox};
-use futures_util::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeleteOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Connection, ConnectionProperties};
+use lapin::options::QueueDeleteOptions;
+use lapin::types::FieldTable;
 
 const RELAYS: usize = 3;
 const BATCH: usize = 50;
@@ -930,8 +927,9 @@ async fn write_poison(
     key
 }
 
-/// The consumer: dedupe and the effect in one transaction, ack after commit. Reconnects
-/// after the broker restart. Runs until `running` turns false.
+/// The consumer: the crate's runner, so the checker's count of effects proves it applies
+/// each message once through every fault. Every delivery (duplicates too) is logged as the
+/// source hands it over, in delivery order.
 async fn consume(
     queue: String,
     outbox: Outbox,
@@ -939,87 +937,61 @@ async fn consume(
     log: Arc<Log>,
     running: Arc<AtomicBool>,
 ) {
-    let mut conn = common::connect().await;
-    // No broker step may hang the consumer: during a restart the broker can accept a socket
-    // and never answer, and a connection can die without the stream saying so.
-    let bounded = Duration::from_secs(5);
-    while AtomicBool::load(&running, Ordering::SeqCst) {
-        let subscribe = async {
-            let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
-            let channel = amqp.create_channel().await?;
-            channel.basic_qos(200, BasicQosOptions::default()).await?;
-            let consumer = channel
-                .basic_consume(
-                    queue.as_str().into(),
-                    common::unique("consumer").as_str().into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await?;
-            Ok::<_, lapin::Error>((amqp, consumer))
-        };
-        let Ok(Ok((amqp, mut consumer))) = tokio::time::timeout(bounded, subscribe).await else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        };
-        while AtomicBool::load(&running, Ordering::SeqCst) {
-            let next = tokio::time::timeout(Duration::from_millis(200), consumer.next()).await;
-            let delivery = match next {
-                Err(_) if amqp.status().connected() => continue,
-                Ok(Some(Ok(delivery))) => delivery,
-                _ => break, // the connection died: reconnect
-            };
-            let key = message_id(&delivery);
-            let body: serde_json::Value =
-                serde_json::from_slice(&delivery.data).unwrap_or_default();
-            let attempt = delivery
-                .properties
-                .headers()
-                .as_ref()
-                .and_then(|h| h.inner().get("x-outbox-attempt").cloned());
-            log.deliveries.lock().unwrap().push(Delivery {
-                key: key.clone(),
-                aggregate: body["aggregate"].as_str().unwrap_or_default().to_owned(),
-                seq: body["seq"].as_i64().unwrap_or_default(),
-                attempt: match attempt {
-                    Some(AMQPValue::LongLongInt(n)) => n,
-                    _ => 0,
-                },
-                redelivered: delivery.redelivered,
-            });
-            let effect = conn
-                .transaction(async |c| {
-                    if outbox.dedupe(c, "faults", &key).await? {
-                        diesel::sql_query(format!("INSERT INTO {schema}.effects VALUES ($1)"))
-                            .bind::<Text, _>(&key)
-                            .execute(c)
-                            .await?;
-                    }
-                    Ok::<_, Error>(())
-                })
-                .await;
-            if effect.is_err() {
-                // The database went away (restart, terminated backend): redelivery follows.
-                conn = reconnect(&schema).await;
+    let effects = format!("{schema}.effects");
+    let consumer = Consumer::builder(outbox, common::pool(8).await, "faults")
+        .source(Logged {
+            inner: consumer::rabbitmq::Source::queue(amqp_url(), &queue),
+            log,
+        })
+        .handler(handler_fn(move |delivery, conn| {
+            let effects = effects.clone();
+            Box::pin(async move {
+                diesel::sql_query(format!("INSERT INTO {effects} VALUES ($1)"))
+                    .bind::<Text, _>(&delivery.key)
+                    .execute(conn)
+                    .await
+                    .map_err(HandleError::retry)?;
+                Ok(())
+            })
+        }))
+        .concurrency(8)
+        .max_deliveries(100)
+        .backoff(Duration::from_millis(50), Duration::from_secs(1))
+        .build()
+        .unwrap();
+    consumer
+        .run_until(async {
+            while AtomicBool::load(&running, Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            let settle = async {
-                match effect {
-                    Ok(()) => delivery.ack(BasicAckOptions::default()).await,
-                    Err(_) => {
-                        delivery
-                            .nack(BasicNackOptions {
-                                requeue: true,
-                                ..Default::default()
-                            })
-                            .await
-                    }
-                }
-            };
-            if !matches!(tokio::time::timeout(bounded, settle).await, Ok(Ok(_))) {
-                break;
-            }
-        }
-        let _ = tokio::time::timeout(bounded, amqp.close(200, "consumer done".into())).await;
+        })
+        .await
+        .unwrap();
+}
+
+/// Logs every delivery the runner takes.
+struct Logged {
+    inner: consumer::rabbitmq::Source,
+    log: Arc<Log>,
+}
+
+impl consumer::Source for Logged {
+    async fn next(&mut self, prefetch: u16) -> Result<consumer::Incoming, diesel_outbox::BoxError> {
+        let incoming = self.inner.next(prefetch).await?;
+        let d = &incoming.delivery;
+        let body: serde_json::Value = serde_json::from_slice(&d.payload).unwrap_or_default();
+        self.log.deliveries.lock().unwrap().push(Delivery {
+            key: d.key.clone(),
+            aggregate: body["aggregate"].as_str().unwrap_or_default().to_owned(),
+            seq: body["seq"].as_i64().unwrap_or_default(),
+            attempt: i64::from(d.attempt),
+            redelivered: d.redelivered,
+        });
+        Ok(incoming)
+    }
+
+    async fn close(&mut self) {
+        self.inner.close().await;
     }
 }
 

@@ -28,6 +28,8 @@ use self::outage::Outage;
 use self::publish::Slot;
 use self::store::{PgStore, Store};
 
+pub(crate) use self::run::until_stopped;
+
 /// The connection pool a relay takes its connections from.
 ///
 /// bb8 tests each checkout with a round trip by default; for the relay's hot path build it

@@ -163,3 +163,167 @@ pub fn message_id(delivery: &Delivery) -> String {
         .expect("message id")
         .to_string()
 }
+
+/// A queue that other connections can consume (the consumer runner opens its own), bound
+/// to a topic exchange with `#`, whose rejected messages go to a dead-letter queue. All of
+/// it is deleted when this is dropped.
+pub struct SharedQueue {
+    pub exchange: String,
+    pub queue: String,
+    pub dead_letters: String,
+    pub channel: Channel,
+    _connection: Connection,
+}
+
+impl SharedQueue {
+    pub async fn new() -> SharedQueue {
+        let connection = connect().await;
+        let channel = connection.create_channel().await.unwrap();
+        let exchange = super::unique("x");
+        let queue = super::unique("q");
+        let dead_exchange = format!("{exchange}.dead");
+        let dead_letters = format!("{queue}.dead");
+        let shared = |durable| QueueDeclareOptions {
+            durable,
+            ..Default::default()
+        };
+        for (name, kind) in [
+            (&exchange, ExchangeKind::Topic),
+            (&dead_exchange, ExchangeKind::Fanout),
+        ] {
+            channel
+                .exchange_declare(
+                    name.as_str().into(),
+                    kind,
+                    ExchangeDeclareOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+        }
+        channel
+            .queue_declare(
+                dead_letters.as_str().into(),
+                shared(false),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let args = FieldTable::from(std::collections::BTreeMap::from([(
+            "x-dead-letter-exchange".into(),
+            lapin::types::AMQPValue::LongString(dead_exchange.as_str().into()),
+        )]));
+        channel
+            .queue_declare(queue.as_str().into(), shared(false), args)
+            .await
+            .unwrap();
+        for (q, x, binding) in [
+            (&queue, &exchange, "#"),
+            (&dead_letters, &dead_exchange, ""),
+        ] {
+            channel
+                .queue_bind(
+                    q.as_str().into(),
+                    x.as_str().into(),
+                    binding.into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+        }
+        SharedQueue {
+            exchange,
+            queue,
+            dead_letters,
+            channel,
+            _connection: connection,
+        }
+    }
+
+    /// Publishes as a relay would: message id = `key`, the attempt header, and the
+    /// aggregate header when given; waits for the broker's confirm.
+    pub async fn publish(&self, key: &str, topic: &str, payload: &[u8], aggregate: Option<&str>) {
+        let mut headers = std::collections::BTreeMap::from([(
+            diesel_outbox::ATTEMPT_HEADER.into(),
+            lapin::types::AMQPValue::LongLongInt(1),
+        )]);
+        if let Some(aggregate) = aggregate {
+            headers.insert(
+                diesel_outbox::AGGREGATE_HEADER.into(),
+                lapin::types::AMQPValue::LongString(aggregate.into()),
+            );
+        }
+        self.channel
+            .basic_publish(
+                self.exchange.as_str().into(),
+                topic.into(),
+                lapin::options::BasicPublishOptions::default(),
+                payload,
+                lapin::BasicProperties::default()
+                    .with_message_id(key.into())
+                    .with_headers(FieldTable::from(headers)),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Messages ready in `queue` (unacknowledged ones are not counted).
+    pub async fn ready(&self, queue: &str) -> u32 {
+        self.channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    }
+}
+
+impl Drop for SharedQueue {
+    fn drop(&mut self) {
+        let queues = [self.queue.clone(), self.dead_letters.clone()];
+        let exchanges = [self.exchange.clone(), format!("{}.dead", self.exchange)];
+        // Runs on its own thread and runtime so it also works while a test unwinds.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let Ok(conn) =
+                    Connection::connect(&amqp_url(), ConnectionProperties::default()).await
+                else {
+                    return;
+                };
+                let Ok(channel) = conn.create_channel().await else {
+                    return;
+                };
+                for q in &queues {
+                    let _ = channel
+                        .queue_delete(
+                            q.as_str().into(),
+                            lapin::options::QueueDeleteOptions::default(),
+                        )
+                        .await;
+                }
+                for x in &exchanges {
+                    let _ = channel
+                        .exchange_delete(
+                            x.as_str().into(),
+                            lapin::options::ExchangeDeleteOptions::default(),
+                        )
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}

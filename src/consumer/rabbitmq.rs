@@ -1,0 +1,270 @@
+//! The RabbitMQ source (feature `rabbitmq`): one queue, consumed with manual
+//! acknowledgements and a prefetch of the consumer's concurrency.
+//!
+//! A message becomes a [`Delivery`]: its message id is the key, its routing key the topic,
+//! `x-outbox-attempt` the attempt and `x-outbox-aggregate-key` the aggregate key; string
+//! headers are the delivery's headers. A message without a message id cannot be
+//! deduplicated: it is rejected (to the queue's dead-letter exchange, if it has one) and
+//! logged. The connection is reopened by itself after a loss; URLs and passwords never
+//! appear in its `Debug` output, its errors or its logs.
+
+use std::fmt;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use lapin::Acker;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::uri::AMQPUri;
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use super::Delivery;
+use super::source::{Incoming, Settle};
+use crate::error::BoxError;
+use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+
+/// The longest a connection and its subscription may take to open.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// While waiting for a delivery, how often the connection is looked at: one that died
+/// without the subscription saying so is reopened.
+const LIVENESS_CHECK: Duration = Duration::from_secs(1);
+
+/// A RabbitMQ queue as the source of a [`Consumer`](super::Consumer).
+pub struct Source {
+    uri: Result<AMQPUri, String>,
+    /// `host:port/vhost`: how the broker is named in errors and logs (never the URL).
+    endpoint: String,
+    queue: String,
+    tag: String,
+    live: Option<Live>,
+}
+
+struct Live {
+    connection: Connection,
+    channel: Channel,
+    consumer: lapin::Consumer,
+}
+
+impl fmt::Debug for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Source")
+            .field("endpoint", &self.endpoint)
+            .field("queue", &self.queue)
+            .field("connected", &self.live.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Source {
+    /// Consumes `queue` on the broker at `url` (`amqp://user:pass@host:port/vhost`). The
+    /// queue must exist; give it a dead-letter exchange to keep rejected messages.
+    pub fn queue(url: impl AsRef<str>, queue: impl Into<String>) -> Self {
+        let uri: Result<AMQPUri, String> = url.as_ref().parse().map_err(|_| {
+            "the AMQP URL is malformed (not shown: it may hold a password)".to_owned()
+        });
+        let endpoint = uri.as_ref().map_or_else(
+            |_| "(malformed URL)".to_owned(),
+            |u| format!("{}:{}/{}", u.authority.host, u.authority.port, u.vhost),
+        );
+        Source {
+            uri,
+            endpoint,
+            queue: queue.into(),
+            tag: format!("diesel-outbox-{}", uuid::Uuid::new_v4().simple()),
+            live: None,
+        }
+    }
+
+    async fn connect(&self, prefetch: u16) -> Result<Live, String> {
+        let uri = self.uri.clone()?;
+        let queue = ShortString::try_new(self.queue.clone())
+            .map_err(|_| "the queue name is over 255 bytes".to_owned())?;
+        let opening = async {
+            let connection = Connection::connect_uri(uri, ConnectionProperties::default()).await?;
+            let channel = connection.create_channel().await?;
+            channel
+                .basic_qos(prefetch, BasicQosOptions::default())
+                .await?;
+            let consumer = channel
+                .basic_consume(
+                    queue,
+                    self.tag.as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok::<_, lapin::Error>(Live {
+                connection,
+                channel,
+                consumer,
+            })
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, opening).await {
+            Ok(Ok(live)) => {
+                tracing::info!(endpoint = %self.endpoint, queue = %self.queue, "consuming from RabbitMQ");
+                Ok(live)
+            }
+            Ok(Err(e)) => Err(format!(
+                "consuming {} on RabbitMQ at {} failed: {e}",
+                self.queue, self.endpoint
+            )),
+            Err(_) => Err(format!(
+                "consuming {} on RabbitMQ at {}: no answer within {CONNECT_TIMEOUT:?}",
+                self.queue, self.endpoint
+            )),
+        }
+    }
+}
+
+impl super::Source for Source {
+    fn check(&self) -> Result<(), BoxError> {
+        self.uri.as_ref().map_err(|e| e.clone())?;
+        if self.queue.len() > 255 {
+            return Err("the queue name is over 255 bytes".into());
+        }
+        Ok(())
+    }
+
+    async fn next(&mut self, prefetch: u16) -> Result<Incoming, BoxError> {
+        loop {
+            let live = match &mut self.live {
+                Some(live) => live,
+                None => {
+                    let live = self.connect(prefetch).await?;
+                    self.live.insert(live)
+                }
+            };
+            let next = tokio::time::timeout(LIVENESS_CHECK, live.consumer.next()).await;
+            let Ok(next) = next else {
+                if live.connection.status().connected() {
+                    continue;
+                }
+                self.live = None;
+                return Err(format!("lost the connection to RabbitMQ at {}", self.endpoint).into());
+            };
+            match next {
+                Some(Ok(message)) => match delivery(&message) {
+                    Some(delivery) => {
+                        return Ok(Incoming {
+                            delivery,
+                            settle: Box::new(RabbitSettle(message.acker)),
+                        });
+                    }
+                    None => {
+                        tracing::error!(
+                            queue = %self.queue, topic = %message.routing_key,
+                            "a message without a message id cannot be deduplicated: rejected"
+                        );
+                        let _ = message
+                            .acker
+                            .reject(BasicRejectOptions { requeue: false })
+                            .await;
+                    }
+                },
+                Some(Err(e)) => {
+                    self.live = None;
+                    return Err(format!("RabbitMQ at {}: {e}", self.endpoint).into());
+                }
+                None => {
+                    self.live = None;
+                    return Err(format!(
+                        "RabbitMQ at {} ended the subscription to {}",
+                        self.endpoint, self.queue
+                    )
+                    .into());
+                }
+            }
+        }
+    }
+
+    async fn close(&mut self) {
+        if let Some(live) = self.live.take() {
+            let _ = live
+                .channel
+                .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())
+                .await;
+            let _ = live.channel.close(200, "consumer stopped".into()).await;
+            let _ = live.connection.close(200, "consumer stopped".into()).await;
+        }
+    }
+}
+
+/// A message as a [`Delivery`]; `None` without a message id.
+fn delivery(message: &lapin::message::Delivery) -> Option<Delivery> {
+    let properties = &message.properties;
+    let key = properties.message_id().as_ref()?.to_string();
+    let mut delivery = Delivery::new(key, message.routing_key.to_string(), message.data.clone());
+    delivery.content_type = properties.content_type().as_ref().map(|c| c.to_string());
+    delivery.redelivered = message.redelivered;
+    if let Some(headers) = properties.headers() {
+        for (name, value) in headers.inner() {
+            let name = name.as_str();
+            if name == ATTEMPT_HEADER {
+                delivery.attempt = integer(value).unwrap_or(1);
+            } else if name == AGGREGATE_HEADER {
+                delivery.aggregate_key = text(value);
+            } else if let Some(value) = text(value) {
+                delivery.headers.insert(name.to_owned(), value);
+            }
+        }
+    }
+    Some(delivery)
+}
+
+fn text(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+fn integer(value: &AMQPValue) -> Option<u32> {
+    let n: i64 = match value {
+        AMQPValue::LongLongInt(n) => *n,
+        AMQPValue::LongInt(n) => i64::from(*n),
+        AMQPValue::ShortInt(n) => i64::from(*n),
+        AMQPValue::ShortShortInt(n) => i64::from(*n),
+        AMQPValue::LongUInt(n) => i64::from(*n),
+        AMQPValue::ShortUInt(n) => i64::from(*n),
+        AMQPValue::ShortShortUInt(n) => i64::from(*n),
+        _ => return None,
+    };
+    u32::try_from(n).ok()
+}
+
+struct RabbitSettle(Acker);
+
+impl Settle for RabbitSettle {
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
+        Box::pin(async move {
+            self.0.ack(BasicAckOptions::default()).await?;
+            Ok(())
+        })
+    }
+
+    fn reject(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
+        Box::pin(async move {
+            self.0.reject(BasicRejectOptions { requeue: false }).await?;
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_shows_the_endpoint_and_never_the_url() {
+        let source = Source::queue("amqp://relay:s3cret@mq.internal:5672/%2f", "orders");
+        let shown = format!("{source:?}");
+        assert!(shown.contains("mq.internal:5672"), "{shown}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        let bad = Source::queue("amqp://relay:s3cret@[bad", "orders");
+        assert!(!format!("{bad:?}").contains("s3cret"));
+    }
+}
