@@ -256,6 +256,8 @@ impl Outbox {
             Vec::with_capacity(n),
         );
         let mut seen = HashSet::with_capacity(n);
+        // The enqueuing span's trace context, stored with every message of this call.
+        let trace = crate::trace::current();
         for msg in msgs {
             let delay = msg.delay_micros();
             let key = msg
@@ -274,6 +276,7 @@ impl Outbox {
             headers.push(serde_json::Value::Object(
                 msg.headers
                     .into_iter()
+                    .chain(trace.iter().cloned())
                     .map(|(k, v)| (k, serde_json::Value::String(v)))
                     .collect(),
             ));

@@ -104,7 +104,13 @@
 //! - `sync`: the `sync` module, for `diesel::PgConnection` (links libpq).
 //! - `rabbitmq`: the RabbitMQ publisher, `rabbitmq::RabbitMqPublisher`, and the consumer
 //!   runner's RabbitMQ source, `consumer::rabbitmq::Source` (lapin).
-//! - `cli`: the `diesel-outbox` operator binary.
+//! - `metrics`: `FacadeMetrics`, the relay's and the consumer's metrics through the
+//!   `metrics` facade.
+//! - `opentelemetry`: trace propagation. An enqueue stores the current span's W3C trace
+//!   context with the row; the relay's publish span and the consumer runner's handler span
+//!   continue it, and publishers send it as the `traceparent`/`tracestate` headers (which
+//!   messages may not set themselves, feature or not).
+//! - `cli`: the `diesel-outbox` operator binary (with `rabbitmq` and `metrics`).
 //!
 //! No feature is on by default; the core never depends on AMQP.
 //!
@@ -172,11 +178,14 @@ pub mod schema;
 mod sql;
 #[cfg(feature = "sync")]
 pub mod sync;
+mod trace;
 
 pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::inbox::DedupeExt;
 pub use crate::message::Message;
+#[cfg(feature = "metrics")]
+pub use crate::metrics::FacadeMetrics;
 pub use crate::metrics::{Consumed, Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{Outbox, OutboxBuilder};

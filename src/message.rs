@@ -191,6 +191,12 @@ impl Message {
                     "header {name:?} is reserved: names starting with `x-outbox-` are set by the relay"
                 )));
             }
+            if crate::trace::TRACE_HEADERS.contains(&lower.as_str()) {
+                return Err(Error::invalid_message(format!(
+                    "header {name:?} is reserved: the trace context is captured at enqueue \
+                     (feature `opentelemetry`)"
+                )));
+            }
             if DANGEROUS_HEADERS.contains(&lower.as_str()) {
                 return Err(Error::invalid_message(format!(
                     "header {name:?} is refused: RabbitMQ routes on CC and BCC"

@@ -336,3 +336,115 @@ async fn the_relay_at_trace_logs_no_payload_and_no_password() {
         assert!(!log.contains(&bytes), "{what} reached the log as bytes");
     }
 }
+
+/// `GET` `path` on `addr` over plain HTTP/1.0; the body.
+fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.").then(|| body.to_owned())
+}
+
+/// The sum of a Prometheus metric's samples in `text`, whatever their labels.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn the_relay_serves_its_metrics_to_prometheus() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let addr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
+    };
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "relay", "--exchange", &broker.exchange])
+        .args([
+            "--poll-interval",
+            "100ms",
+            "--metrics-addr",
+            &addr.to_string(),
+        ])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    for i in 0..7 {
+        outbox
+            .enqueue(
+                &mut conn,
+                Message::new("cli.metrics", "x").key(format!("m{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    for _ in 0..7 {
+        next(&mut consumer, Duration::from_secs(30))
+            .await
+            .expect("the relay process publishes");
+    }
+    let scraped = eventually(
+        Duration::from_secs(30),
+        "outbox_published_total = 7",
+        || {
+            let body = http_get(addr, "/metrics");
+            async move { body.filter(|b| metric_sum(b, "outbox_published_total") == 7.0) }
+        },
+    )
+    .await;
+    assert!(
+        scraped.contains("outbox_publish_duration_seconds"),
+        "{scraped}"
+    );
+    assert!(scraped.contains(&format!("table=\"{table}\"")), "{scraped}");
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status();
+    let status = eventually(Duration::from_secs(30), "the relay to exit", || {
+        let status = relay.try_wait().unwrap();
+        async move { status }
+    })
+    .await;
+    assert!(status.success(), "exit {status:?}");
+}
+
+#[tokio::test]
+async fn stats_watch_prints_one_reading_a_second_for_count_readings() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(stdout(&cli(&table, &["migrate"])).contains("migrated"));
+    let started = std::time::Instant::now();
+    let out = stdout(&cli(
+        &table,
+        &["stats", "--watch", "--count", "3", "--json"],
+    ));
+    let readings: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON line per reading"))
+        .collect();
+    assert_eq!(readings.len(), 3, "{out}");
+    assert!(readings.iter().all(|r| r["pending"] == 0));
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "a second between readings: {:?}",
+        started.elapsed()
+    );
+    let bad = cli(&table, &["stats", "--count", "3"]);
+    assert_eq!(bad.status.code(), Some(2), "--count needs --watch");
+}

@@ -14,6 +14,7 @@
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
+mod consumer;
 mod enqueue_cost;
 mod fixture;
 mod history;
@@ -68,6 +69,9 @@ enum Scenario {
     /// (f) the claim on a long history.
     #[value(alias = "f")]
     History,
+    /// (j) the consumer runner against a hand-written consumer.
+    #[value(alias = "j")]
+    Consumer,
 }
 
 /// One measured figure beside its same-run baseline.
@@ -144,6 +148,9 @@ async fn main() -> BoxResult<()> {
         }
         if run(Scenario::History) {
             figures.push(history::history(&mut env).await?);
+        }
+        if run(Scenario::Consumer) {
+            figures.extend(consumer::consumer(&mut env).await?);
         }
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     }

@@ -13,6 +13,7 @@ use futures_util::FutureExt;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::source::{Incoming, Source};
 use super::{Delivery, HandleError, Handler, Inner};
@@ -60,11 +61,15 @@ pub(super) async fn run<S: Source, H: Handler>(
     let mut source_backoff = Backoff::new(SOURCE_RETRY_MIN, SOURCE_RETRY_MAX);
     let spawn = |tasks: &mut JoinSet<Option<String>>, incoming: Incoming| {
         let (inner, stop) = (inner.clone(), stop.clone());
-        tasks.spawn(async move {
-            let aggregate = incoming.delivery.aggregate_key.clone();
-            settle(&inner, incoming, stop).await;
-            aggregate
-        });
+        let span = process_span(&inner, &incoming.delivery);
+        tasks.spawn(
+            async move {
+                let aggregate = incoming.delivery.aggregate_key.clone();
+                settle(&inner, incoming, stop).await;
+                aggregate
+            }
+            .instrument(span),
+        );
     };
     loop {
         // The broker gives at most `prefetch` unacknowledged deliveries; this bound also
@@ -143,6 +148,23 @@ pub(super) async fn run<S: Source, H: Handler>(
     source.close().await;
     tracing::info!(table = %table, consumer = %inner.name, "consumer stopped");
     Ok(())
+}
+
+/// The span of one delivery's handling, every run included: a child of the enqueuing span
+/// whose trace context the message carries (with the `opentelemetry` feature).
+fn process_span<H>(inner: &Inner<H>, delivery: &Delivery) -> tracing::Span {
+    let span = tracing::info_span!(
+        target: "diesel_outbox",
+        "process",
+        otel.name = %format_args!("process {}", delivery.topic),
+        otel.kind = "consumer",
+        messaging.operation.type = "process",
+        messaging.destination.name = %delivery.topic,
+        messaging.message.id = %delivery.key,
+        messaging.consumer.group.name = %inner.name,
+    );
+    crate::trace::continue_in(&span, &delivery.headers, true);
+    span
 }
 
 /// Fails at start when the inbox table is missing (checked in a transaction that is

@@ -1,6 +1,7 @@
 //! The relay: its public handle and builder. The machinery is in the submodules, the loop in
 //! `run`; ARCHITECTURE.md says which does what.
 
+mod gauges;
 mod janitor;
 pub(crate) mod listener;
 mod options;

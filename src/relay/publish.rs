@@ -18,6 +18,7 @@ use super::Relay;
 use super::run::MAX_STALLED;
 use super::store::{Batch, Claimed, Outcome};
 use crate::publisher::{PublishError, Publisher, Record};
+use tracing::Instrument;
 
 /// A batch whose wave has run this long with nothing left to start is stalled: it gives its
 /// publishing slot back and records what it knows at once (at most an eighth of the lease).
@@ -377,6 +378,9 @@ impl<P: Publisher> Relay<P> {
         let (records, tokens): (Vec<Record>, Vec<i64>) =
             go.into_iter().map(|c| (c.record, c.token)).unzip();
         let mut settled = vec![false; records.len()];
+        // One span per record for the wave, continuing the trace stored at enqueue.
+        let spans: Vec<tracing::Span> = records.iter().map(|r| self.publish_span(r)).collect();
+        let spans = &spans;
         let wave_start = Instant::now();
         // A publish may take half the lease, and must end a margin before the lease does.
         let half = options.lease / 2;
@@ -436,7 +440,9 @@ impl<P: Publisher> Relay<P> {
                                 let result = match publish {
                                     Err(_) => Err(panicked()),
                                     Ok(publish) => {
-                                        let publish = AssertUnwindSafe(publish).catch_unwind();
+                                        let publish = AssertUnwindSafe(publish)
+                                            .catch_unwind()
+                                            .instrument(spans[i].clone());
                                         match tokio::time::timeout_at(deadline, publish).await {
                                             Ok(Ok(result)) => result,
                                             Ok(Err(_)) => Err(panicked()),
@@ -544,6 +550,24 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Turns one record's publish result into its outcome.
+    /// The span of one record's publish: a child of the enqueuing span on the first
+    /// attempt, linked to it on a retry (with the `opentelemetry` feature).
+    fn publish_span(&self, record: &Record) -> tracing::Span {
+        let span = tracing::info_span!(
+            target: "diesel_outbox",
+            "publish",
+            otel.name = %format_args!("publish {}", record.topic),
+            otel.kind = "producer",
+            messaging.operation.type = "send",
+            messaging.destination.name = %record.topic,
+            messaging.message.id = %record.key,
+            outbox.table = %self.inner.outbox.table(),
+            outbox.attempt = record.attempt,
+        );
+        crate::trace::continue_in(&span, &record.headers, record.attempt == 1);
+        span
+    }
+
     fn settle(
         &self,
         record: &Record,
@@ -562,6 +586,9 @@ impl<P: Publisher> Relay<P> {
                     .unwrap_or_else(Instant::now);
                 inner.outage.recovered(table, started, &*inner.metrics);
                 inner.metrics.published(&record.topic, record.attempt, took);
+                if let Ok(lag) = (chrono::Utc::now() - record.created_at).to_std() {
+                    inner.metrics.delivered(&record.topic, lag);
+                }
                 outcomes.push(Outcome::sent(record, token));
                 return;
             }

@@ -33,7 +33,7 @@ use super::listener::{self, WATCH_RETRY, Wake, Watch};
 use super::presence::IDLE_REFRESH;
 use super::publish::Slot;
 use super::store::{Batch, Outcome};
-use super::{Relay, janitor};
+use super::{Relay, gauges, janitor};
 use crate::error::{Error, Result};
 use crate::publisher::Publisher;
 
@@ -191,6 +191,17 @@ impl<P: Publisher> Relay<P> {
                 inner.options.inbox_retention,
             )))
         });
+
+        let _gauges = pool
+            .zip(inner.metrics.stats_interval())
+            .map(|(pool, interval)| {
+                AbortOnDrop::new(tokio::spawn(gauges::run(
+                    inner.outbox.clone(),
+                    pool.clone(),
+                    inner.metrics.clone(),
+                    interval.max(Duration::from_millis(100)),
+                )))
+            });
 
         let running = Loop::new(self, &run, &stopper).run();
         let mut running = pin!(running);

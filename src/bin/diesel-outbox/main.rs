@@ -12,7 +12,7 @@ mod relay;
 mod schema;
 mod secret;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -60,7 +60,7 @@ enum Command {
     /// Print the schema statements, or write them as diesel CLI migration folders.
     Sql(schema::SqlArgs),
     /// Show pending, in-flight, sent and dead counts and the lag.
-    Stats,
+    Stats(ops::StatsArgs),
     /// List dead letters with their last error.
     Dead(ops::DeadArgs),
     /// Make dead letters pending again (all of them when no key is given).
@@ -68,7 +68,7 @@ enum Command {
     /// Delete old sent rows and inbox (dedupe) records.
     Purge(ops::PurgeArgs),
     /// Run a relay to RabbitMQ until SIGINT or SIGTERM, then drain and exit.
-    Relay(relay::RelayArgs),
+    Relay(Box<relay::RelayArgs>),
 }
 
 /// A failure with its exit code; its message is redacted before it is printed.
@@ -114,7 +114,7 @@ fn main() -> ExitCode {
         }
     };
     let mut stdout = std::io::stdout();
-    let result = runtime.block_on(run(cli, &mut stdout));
+    let result = runtime.block_on(run(cli, &mut stdout, std::io::stdout().is_terminal()));
     ExitCode::from(report(result, &secrets, &mut std::io::stderr()))
 }
 
@@ -129,10 +129,11 @@ fn report(result: Result<(), Failure>, secrets: &Secrets, stderr: &mut dyn Write
     }
 }
 
-/// Runs one command, writing its output to `out`.
-async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Failure> {
+/// Runs one command, writing its output to `out` (a terminal, whose screen `stats --watch`
+/// clears before each redraw, when `terminal`).
+async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failure> {
     let outbox = Outbox::builder().table(&cli.table).build()?;
-    let mut output = Output::new(cli.json, out);
+    let mut output = Output::new(cli.json, out, terminal);
     if let Command::Sql(args) = &cli.command {
         return schema::sql(&outbox, args, &mut output);
     }
@@ -149,11 +150,11 @@ async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), Failure> {
         .map_err(|e| Failure::new(CONNECTION, format!("cannot connect to the database: {e}")))?;
     if let Command::Relay(args) = cli.command {
         drop(conn);
-        return relay::run(&outbox, &url, args).await;
+        return relay::run(&outbox, &url, *args).await;
     }
     match cli.command {
         Command::Migrate => schema::migrate(&outbox, &mut conn, &mut output).await,
-        Command::Stats => ops::stats(&outbox, &mut conn, &mut output).await,
+        Command::Stats(args) => ops::stats(&outbox, &mut conn, args, &mut output).await,
         Command::Dead(args) => ops::dead(&outbox, &mut conn, args, &mut output).await,
         Command::Redrive(args) => ops::redrive(&outbox, &mut conn, args, &mut output).await,
         Command::Purge(args) => ops::purge(&outbox, &mut conn, args, &mut output).await,
@@ -180,7 +181,7 @@ mod tests {
         let secrets = Secrets::of(&matches);
         let cli = Cli::from_arg_matches(&matches).unwrap();
         let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = report(run(cli, &mut out).await, &secrets, &mut err);
+        let code = report(run(cli, &mut out, false).await, &secrets, &mut err);
         (
             code,
             String::from_utf8(out).unwrap(),
@@ -253,7 +254,7 @@ mod tests {
             let cli = Cli::from_arg_matches(&matches).unwrap();
             let mut err = Vec::new();
             let started = std::time::Instant::now();
-            let code = report(run(cli, &mut Vec::new()).await, &secrets, &mut err);
+            let code = report(run(cli, &mut Vec::new(), false).await, &secrets, &mut err);
             let err = String::from_utf8(err).unwrap();
             assert_eq!(code, CONNECTION, "{command:?}: {err}");
             assert!(

@@ -13,6 +13,16 @@ use crate::durations::Age;
 use crate::output::Output;
 
 #[derive(Args)]
+pub(crate) struct StatsArgs {
+    /// Redraw every second until interrupted (Ctrl-C); with `--json`, one line each time.
+    #[arg(long)]
+    watch: bool,
+    /// With `--watch`: stop after this many readings.
+    #[arg(long, requires = "watch")]
+    count: Option<u32>,
+}
+
+#[derive(Args)]
 pub(crate) struct DeadArgs {
     /// How many to list, oldest first.
     #[arg(long, default_value_t = 50)]
@@ -36,6 +46,32 @@ pub(crate) struct PurgeArgs {
 }
 
 pub(crate) async fn stats(
+    outbox: &Outbox,
+    conn: &mut AsyncPgConnection,
+    args: StatsArgs,
+    out: &mut Output<'_>,
+) -> Result<(), Failure> {
+    if !args.watch {
+        return stats_once(outbox, conn, out).await;
+    }
+    let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut readings = 0u32;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = &mut interrupted => return Ok(()),
+        }
+        out.clear()?;
+        stats_once(outbox, conn, out).await?;
+        readings += 1;
+        if args.count.is_some_and(|count| readings >= count) {
+            return Ok(());
+        }
+    }
+}
+
+async fn stats_once(
     outbox: &Outbox,
     conn: &mut AsyncPgConnection,
     out: &mut Output<'_>,

@@ -9,11 +9,26 @@ use crate::Failure;
 pub(crate) struct Output<'a> {
     json: bool,
     out: &'a mut dyn Write,
+    terminal: bool,
 }
 
 impl<'a> Output<'a> {
-    pub(crate) fn new(json: bool, out: &'a mut dyn Write) -> Self {
-        Output { json, out }
+    pub(crate) fn new(json: bool, out: &'a mut dyn Write, terminal: bool) -> Self {
+        Output {
+            json,
+            out,
+            terminal,
+        }
+    }
+
+    /// Clears a terminal's screen for a redraw (nothing for JSON, or when not a terminal).
+    pub(crate) fn clear(&mut self) -> Result<(), Failure> {
+        if self.terminal && !self.json {
+            write!(self.out, "\x1b[2J\x1b[H")
+                .and_then(|()| self.out.flush())
+                .map_err(|e| Failure::new(1, format!("cannot write: {e}")))?;
+        }
+        Ok(())
     }
 
     /// Prints `value` as JSON with `--json`, otherwise what `human` says.
@@ -27,6 +42,8 @@ impl<'a> Output<'a> {
         } else {
             human()
         };
-        writeln!(self.out, "{text}").map_err(|e| Failure::new(1, format!("cannot write: {e}")))
+        writeln!(self.out, "{text}")
+            .and_then(|()| self.out.flush())
+            .map_err(|e| Failure::new(1, format!("cannot write: {e}")))
     }
 }

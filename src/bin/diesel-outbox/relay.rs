@@ -63,6 +63,10 @@ pub(crate) struct RelayArgs {
     /// Database connections in the relay's pool (plus one for LISTEN).
     #[arg(long, default_value_t = 4)]
     pool_size: u32,
+    /// Serve the relay's metrics in the Prometheus text format on this address (such as
+    /// `127.0.0.1:9464`), at any path.
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 pub(crate) async fn run(
@@ -78,6 +82,13 @@ pub(crate) async fn run(
     // Installed before anything else, so a signal during start-up stops the process cleanly
     // too (rather than killing it).
     let shutdown = shutdown_signal().shared();
+    if let Some(addr) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| Failure::new(1, format!("cannot serve metrics on {addr}: {e}")))?;
+        tracing::info!(%addr, "serving metrics");
+    }
     let relay = tokio::select! {
         relay = start(outbox, database_url, &args) => relay?,
         () = shutdown.clone() => return Ok(()),
@@ -119,6 +130,9 @@ async fn start(
         .retention(args.retention.0)
         .inbox_retention(args.inbox_retention.0)
         .max_batch_bytes(args.max_batch_bytes);
+    if args.metrics_addr.is_some() {
+        builder = builder.metrics(diesel_outbox::FacadeMetrics::new(outbox.table()));
+    }
     if args.without_listen {
         builder = builder.without_listen();
     }

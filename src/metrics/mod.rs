@@ -1,8 +1,16 @@
-//! Hooks for your metrics system. Every method defaults to doing nothing.
+//! Hooks for your metrics system. Every method defaults to doing nothing; with the
+//! `metrics` feature, [`FacadeMetrics`] implements them through the `metrics` facade.
+
+#[cfg(feature = "metrics")]
+mod facade;
 
 use std::time::Duration;
 
+use crate::ops::Stats;
 use crate::publisher::PublishError;
+
+#[cfg(feature = "metrics")]
+pub use self::facade::FacadeMetrics;
 
 /// Relay and consumer events, for counters and histograms. Implement the ones you need; the
 /// others do nothing. Called on the relay's (or consumer's) tasks: keep them cheap and
@@ -16,6 +24,12 @@ pub trait Metrics: Send + Sync + 'static {
     /// A message was confirmed by the broker; `took` is the publish time.
     fn published(&self, topic: &str, attempt: u32, took: Duration) {
         let _ = (topic, attempt, took);
+    }
+
+    /// A message was confirmed `lag` after it was enqueued (by this host's clock against
+    /// the database's enqueue time, so clock skew between them shows in it).
+    fn delivered(&self, topic: &str, lag: Duration) {
+        let _ = (topic, lag);
     }
 
     /// A publish failed (it will be retried, or dead-lettered if `err` is permanent or the
@@ -56,6 +70,17 @@ pub trait Metrics: Send + Sync + 'static {
     /// The consumer runner ended one run of a delivery of `topic`.
     fn consumed(&self, topic: &str, result: Consumed) {
         let _ = (topic, result);
+    }
+
+    /// How often a running relay should read the table's [`Stats`] and pass them to
+    /// [`Metrics::stats`], for gauges; `None` (the default) reads nothing.
+    fn stats_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    /// The table's gauges, read every [`Metrics::stats_interval`] by a running relay.
+    fn stats(&self, stats: &Stats) {
+        let _ = stats;
     }
 }
 
