@@ -39,6 +39,8 @@ pub const MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
 pub const CONSUMER_CONCURRENCY: usize = 4;
 /// [`ConsumerBuilder::max_deliveries`](crate::consumer::ConsumerBuilder::max_deliveries).
 pub const MAX_DELIVERIES: u32 = 10;
+/// [`ConsumerBuilder::handler_timeout`](crate::consumer::ConsumerBuilder::handler_timeout).
+pub const HANDLER_TIMEOUT: Duration = Duration::from_secs(60);
 /// [`ConsumerBuilder::backoff`](crate::consumer::ConsumerBuilder::backoff)'s minimum.
 pub const CONSUMER_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// [`ConsumerBuilder::backoff`](crate::consumer::ConsumerBuilder::backoff)'s maximum.

@@ -46,13 +46,27 @@ mod otel {
         headers
     }
 
-    /// The remote span context `headers` carry, if their `traceparent` is valid.
+    /// Lowercase hex of exactly `len` digits.
+    fn hex(field: &str, len: usize) -> bool {
+        field.len() == len
+            && field
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    }
+
+    /// The remote span context `headers` carry, if their `traceparent` is valid by the W3C
+    /// rules: version `00` with exactly four fields, or a later version (not `ff`) whose
+    /// first four fields are read and the rest ignored.
     pub(crate) fn remote(headers: &BTreeMap<String, String>) -> Option<SpanContext> {
         let parent = headers.get("traceparent")?;
-        let mut parts = parent.trim().split('-');
+        let mut parts = parent.split('-');
         let (version, trace, span, flags) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        if version != "00" || parts.next().is_some() || trace.len() != 32 || span.len() != 16 {
+        let extra = parts.next().is_some();
+        if !hex(version, 2) || version == "ff" || (version == "00" && extra) {
+            return None;
+        }
+        if !hex(trace, 32) || !hex(span, 16) || !hex(flags, 2) {
             return None;
         }
         let flags = u8::from_str_radix(flags, 16).ok()?;
@@ -130,6 +144,13 @@ mod tests {
         );
         assert_eq!(format!("{:016x}", sc.span_id()), "00f067aa0ba902b7");
         assert!(sc.is_sampled() && sc.is_remote());
+        assert!(
+            remote(&headers(
+                "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-more"
+            ))
+            .is_some(),
+            "a later version is read leniently"
+        );
         assert_eq!(sc.trace_state().header(), "vendor=1");
         for bad in [
             "",
@@ -137,6 +158,11 @@ mod tests {
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
             "00-xyz-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
+            "00-+bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
             assert!(remote(&headers(bad)).is_none(), "{bad:?}");
         }

@@ -447,4 +447,6 @@ async fn stats_watch_prints_one_reading_a_second_for_count_readings() {
     );
     let bad = cli(&table, &["stats", "--count", "3"]);
     assert_eq!(bad.status.code(), Some(2), "--count needs --watch");
+    let zero = cli(&table, &["stats", "--watch", "--count", "0"]);
+    assert_eq!(zero.status.code(), Some(2), "--count 0 is a usage error");
 }

@@ -16,7 +16,7 @@ use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::consumer::{
     Consumer, Delivery, HandleError, Handler, Incoming, Settle, Source, handler_fn, rabbitmq,
 };
-use diesel_outbox::{BoxError, Error, Outbox, PgPool};
+use diesel_outbox::{BoxError, Consumed, Error, Metrics, Outbox, PgPool};
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
@@ -525,10 +525,12 @@ async fn a_shutdown_mid_stream_loses_nothing_and_applies_nothing_twice() {
     let after_first = s.effects().await.len();
     assert!(after_first < n, "stopped mid-stream ({after_first} of {n})");
 
+    let tally = Tally::default();
     let second = Consumer::builder(s.outbox.clone(), s.pool.clone(), "invoicing")
         .source(s.source())
         .handler(slow())
         .concurrency(8)
+        .metrics(tally.clone())
         .build()
         .unwrap();
     let (tx, task) = spawn(second);
@@ -543,6 +545,96 @@ async fn a_shutdown_mid_stream_loses_nothing_and_applies_nothing_twice() {
     keys.dedup();
     assert_eq!(keys.len(), n, "every message applied");
     assert_eq!(s.effects().await.len(), n, "none applied twice");
+    // What the first runner committed it acknowledged too: only deliveries cut between
+    // the commit and the ack come again (at most one per handler at once).
+    let duplicates = tally.get(Consumed::Duplicate);
+    assert!(
+        duplicates <= 8,
+        "{duplicates} committed deliveries came again"
+    );
+}
+
+/// Counts the runner's results.
+#[derive(Clone, Default)]
+struct Tally(Arc<Mutex<HashMap<Consumed, u64>>>);
+
+impl Tally {
+    fn get(&self, result: Consumed) -> u64 {
+        self.0.lock().unwrap().get(&result).copied().unwrap_or(0)
+    }
+}
+
+impl Metrics for Tally {
+    fn consumed(&self, _: &str, result: Consumed) {
+        *self.0.lock().unwrap().entry(result).or_default() += 1;
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_a_hung_or_an_error_swallowing_handler_costs_a_run_not_the_consumer() {
+    let s = Setup::new().await;
+    // Three of one aggregate, so that a wedged aggregate would show, and one on its own.
+    for key in ["panics", "hangs", "swallows"] {
+        s.broker.publish(key, "t", b"x", Some("one")).await;
+    }
+    s.broker.publish("plain", "t", b"x", None).await;
+    let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let effects = format!("{}.effects", s.schema.name);
+    let counted = runs.clone();
+    let consumer = Consumer::builder(s.outbox.clone(), s.pool.clone(), "invoicing")
+        .source(s.source())
+        .handler(handler_fn(move |delivery, conn| {
+            let (counted, effects) = (counted.clone(), effects.clone());
+            Box::pin(async move {
+                let run = {
+                    let mut runs = counted.lock().unwrap();
+                    let run = runs.entry(delivery.key.clone()).or_default();
+                    *run += 1;
+                    *run
+                };
+                diesel::sql_query(format!("INSERT INTO {effects} (key) VALUES ($1)"))
+                    .bind::<Text, _>(&delivery.key)
+                    .execute(conn)
+                    .await
+                    .map_err(HandleError::retry)?;
+                if run == 1 {
+                    match delivery.key.as_str() {
+                        "panics" => panic!("a bug in the handler"),
+                        "hangs" => tokio::time::sleep(Duration::from_secs(3600)).await,
+                        "swallows" => {
+                            // A failing statement whose error the handler ignores.
+                            let _ = diesel::sql_query("SELECT 1/0").execute(conn).await;
+                        }
+                        _ => {}
+                    }
+                }
+                Ok(())
+            })
+        }))
+        .handler_timeout(Duration::from_millis(300))
+        .backoff(Duration::from_millis(10), Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (tx, task) = spawn(consumer);
+    s.wait_effects(4).await;
+    eventually(DEADLINE, "every delivery acked", || async {
+        (s.broker.ready(&s.broker.queue).await == 0).then_some(())
+    })
+    .await;
+    stop(tx, task).await;
+    let mut keys: Vec<String> = s.effects().await.into_iter().map(|e| e.0).collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        ["hangs", "panics", "plain", "swallows"],
+        "one effect each"
+    );
+    let runs = runs.lock().unwrap().clone();
+    for key in ["panics", "hangs", "swallows"] {
+        assert_eq!(runs[key], 2, "{key}: its first run failed and rolled back");
+    }
+    assert_eq!(runs["plain"], 1);
+    assert_eq!(s.broker.ready(&s.broker.dead_letters).await, 0);
 }
 
 #[tokio::test]
@@ -608,11 +700,21 @@ async fn a_missing_inbox_table_stops_the_consumer_at_start() {
 
 #[test]
 fn a_delivery_decodes_json_and_hides_its_payload() {
-    #[derive(serde::Deserialize)]
+    #[derive(Debug, serde::Deserialize)]
     struct Order {
         id: i64,
     }
     let delivery = Delivery::new("k", "order.created", r#"{"id":42}"#);
     assert_eq!(delivery.json::<Order>().unwrap().id, 42);
     assert!(!format!("{delivery:?}").contains("42"));
+    let personal = Delivery::new("k", "order.created", r#"{"id":"ada@example.com"}"#);
+    let err = personal.json::<Order>().unwrap_err().to_string();
+    assert!(
+        err.contains("another shape") && err.contains("Order"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("ada@example.com"),
+        "the error quotes no payload: {err}"
+    );
 }

@@ -78,6 +78,13 @@ async fn the_facade_reports_a_relay_run_and_a_consumer_run() {
     }
     f.enqueue(Message::new("flaky", "x").key("flaky")).await;
     f.enqueue(Message::new("bad", "x").key("bad")).await;
+    // Pending, but not due for an hour: the pending gauge counts it, the lag does not.
+    f.enqueue(
+        Message::new("later", "x")
+            .key("later")
+            .delay(Duration::from_secs(3600)),
+    )
+    .await;
     let flaked = Arc::new(AtomicBool::new(false));
     let publisher = {
         let flaked = flaked.clone();
@@ -106,7 +113,7 @@ async fn the_facade_reports_a_relay_run_and_a_consumer_run() {
         let mut seen = seen.lock().unwrap();
         let now = seen.read(&snapshotter);
         let refreshed = now.gauge("outbox_dead{}") == Some(1.0)
-            && now.gauge("outbox_pending{}") == Some(0.0)
+            && now.gauge("outbox_pending{}") == Some(1.0)
             && now.gauge("outbox_oldest_pending_age_seconds{}") == Some(0.0)
             && now.gauge("outbox_relay_blocked{}") == Some(0.0);
         seen.gauges.clear();

@@ -134,6 +134,69 @@ async fn enqueue_publish_and_handler_spans_share_one_trace() {
         "no parent for the untraced message"
     );
 
+    // A retry's publish span belongs with the enqueue's trace by a link, not as its child.
+    let retried = async {
+        outbox
+            .enqueue(
+                &mut f.conn,
+                Message::new("order.updated", "x").key("retried"),
+            )
+            .await
+    }
+    .instrument(tracing::info_span!("update order"))
+    .await
+    .unwrap();
+    let failed_once = Arc::new(AtomicUsize::new(0));
+    let publisher = {
+        let failed_once = failed_once.clone();
+        common::fakes::Recorder::default().failing(move |_| {
+            (failed_once.fetch_add(1, Ordering::SeqCst) == 0)
+                .then(|| diesel_outbox::PublishError::transient("a nack"))
+        })
+    };
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .backoff(
+            std::time::Duration::from_millis(20),
+            std::time::Duration::from_millis(20),
+        )
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_rows(
+        &format!("idempotency_key = '{retried}' AND status = 'sent'"),
+        1,
+    )
+    .await;
+    stop_relay(stop, task).await;
+    provider.force_flush().unwrap();
+    let spans = exporter.get_finished_spans().unwrap();
+    let update = find(&spans, "update order");
+    let attempts: Vec<&SpanData> = spans
+        .iter()
+        .filter(|s| s.name == "publish order.updated")
+        .collect();
+    assert_eq!(attempts.len(), 2, "two attempts");
+    let (first, retry): (Vec<&SpanData>, Vec<&SpanData>) = attempts
+        .into_iter()
+        .partition(|s| s.span_context.trace_id() == update.span_context.trace_id());
+    assert_eq!(
+        first.len(),
+        1,
+        "the first attempt is in the enqueue's trace"
+    );
+    assert_eq!(first[0].parent_span_id, update.span_context.span_id());
+    assert_eq!(retry.len(), 1);
+    assert!(
+        retry[0]
+            .links
+            .links
+            .iter()
+            .any(|l| l.span_context.span_id() == update.span_context.span_id()),
+        "the retry links to the enqueuing span"
+    );
+
     // The trace headers are the crate's: a message may not set them.
     let err = f
         .outbox

@@ -43,11 +43,17 @@
 //! - **Failures.** [`HandleError::retry`] rolls the transaction back and runs the delivery
 //!   again after a capped exponential backoff; after `max_deliveries` runs it is rejected
 //!   without requeue (to the queue's dead-letter exchange, if it has one) and logged at
-//!   error with its key and topic. [`HandleError::reject`] rejects at once. A failed
-//!   dedupe or commit counts as a retry.
+//!   error with its key and topic. [`HandleError::reject`] rejects at once.
 //! - **Order.** Up to `concurrency` deliveries are handled at once, each on a connection of
 //!   its own, and the broker is asked for no more than that at a time. Deliveries that share
-//!   an aggregate key are handled one after another, in delivery order.
+//!   an aggregate key are handled one after another, in delivery order: within one runner,
+//!   and as the broker delivers them (a delivery it hands out again after a lost connection
+//!   comes after the later ones it had already delivered).
+//! - **Hung handlers, panics, aborted transactions.** A run longer than `handler_timeout`
+//!   is abandoned and counts as a retry, and so does a panicking handler, or one that
+//!   swallowed an error of its own statement (its transaction could only roll back).
+//! - **Database trouble.** No connection, or a failed begin, dedupe or commit, costs a
+//!   delivery none of its runs: it waits with a backoff of its own and tries again.
 //! - **Outages.** A lost broker connection is reopened with backoff; deliveries whose
 //!   acknowledgement it took with it are redelivered, found by `dedupe`, and acknowledged.
 //! - **Shutdown.** [`Consumer::run_until`] stops taking deliveries, lets the handlers under
@@ -124,9 +130,20 @@ impl Delivery {
     /// The payload decoded from JSON.
     ///
     /// # Errors
-    /// The decoding error (which names no payload content beyond serde's own message).
-    pub fn json<T: serde::de::DeserializeOwned>(&self) -> serde_json::Result<T> {
-        serde_json::from_slice(&self.payload)
+    /// [`JsonError`], which says where the payload went wrong but never quotes it (serde's
+    /// own messages do, and they would reach the logs).
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> std::result::Result<T, JsonError> {
+        serde_json::from_slice(&self.payload).map_err(|e| JsonError {
+            kind: match e.classify() {
+                serde_json::error::Category::Io => "unreadable",
+                serde_json::error::Category::Syntax => "not JSON",
+                serde_json::error::Category::Data => "JSON of another shape",
+                serde_json::error::Category::Eof => "cut short",
+            },
+            target: std::any::type_name::<T>(),
+            line: e.line(),
+            column: e.column(),
+        })
     }
 }
 
@@ -145,6 +162,27 @@ impl fmt::Debug for Delivery {
             .finish()
     }
 }
+
+/// A payload that does not decode as the type asked for; from [`Delivery::json`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonError {
+    kind: &'static str,
+    target: &'static str,
+    line: usize,
+    column: usize,
+}
+
+impl fmt::Display for JsonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the payload is {} for {} (line {}, column {})",
+            self.kind, self.target, self.line, self.column
+        )
+    }
+}
+
+impl std::error::Error for JsonError {}
 
 /// Why a handler did not apply a delivery, and what the runner should do.
 #[derive(Debug)]
@@ -282,6 +320,7 @@ pub(crate) struct Options {
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
     pub(crate) drain_timeout: Duration,
+    pub(crate) handler_timeout: Duration,
 }
 
 impl Default for Options {
@@ -292,6 +331,7 @@ impl Default for Options {
             backoff_min: crate::defaults::CONSUMER_BACKOFF_MIN,
             backoff_max: crate::defaults::CONSUMER_BACKOFF_MAX,
             drain_timeout: crate::defaults::DRAIN_TIMEOUT,
+            handler_timeout: crate::defaults::HANDLER_TIMEOUT,
         }
     }
 }
@@ -400,6 +440,13 @@ impl<S, H> ConsumerBuilder<S, H> {
         self
     }
 
+    /// The longest one run of the handler may take (1 ms to 1 hour); after it the run is
+    /// abandoned, rolled back, and counted as a retry. Defaults to 60 s.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.options.handler_timeout = timeout;
+        self
+    }
+
     /// Hooks for your metrics system ([`Metrics::consumed`]). Defaults to none.
     pub fn metrics(mut self, metrics: impl Metrics) -> Self {
         self.metrics = Arc::new(metrics);
@@ -435,6 +482,14 @@ impl<S: Source, H: Handler> ConsumerBuilder<S, H> {
             return bad(format!(
                 "backoff({:?}, {:?}) needs 0 < min <= max",
                 o.backoff_min, o.backoff_max
+            ));
+        }
+        if o.handler_timeout < Duration::from_millis(1)
+            || o.handler_timeout > Duration::from_secs(3600)
+        {
+            return bad(format!(
+                "handler_timeout {:?} must be between 1ms and 1 hour",
+                o.handler_timeout
             ));
         }
         if o.drain_timeout > Duration::from_secs(3600) {

@@ -40,6 +40,9 @@ pub struct Source {
     queue: String,
     tag: String,
     live: Option<Live>,
+    /// A connection being opened: kept across calls of `next`, which the runner may drop
+    /// while it waits (a connect is not restarted each time).
+    connecting: Option<BoxFuture<'static, Result<Live, String>>>,
 }
 
 struct Live {
@@ -75,47 +78,53 @@ impl Source {
             queue: queue.into(),
             tag: format!("diesel-outbox-{}", uuid::Uuid::new_v4().simple()),
             live: None,
+            connecting: None,
         }
     }
+}
 
-    async fn connect(&self, prefetch: u16) -> Result<Live, String> {
-        let uri = self.uri.clone()?;
-        let queue = ShortString::try_new(self.queue.clone())
-            .map_err(|_| "the queue name is over 255 bytes".to_owned())?;
-        let opening = async {
-            let connection = Connection::connect_uri(uri, ConnectionProperties::default()).await?;
-            let channel = connection.create_channel().await?;
-            channel
-                .basic_qos(prefetch, BasicQosOptions::default())
-                .await?;
-            let consumer = channel
-                .basic_consume(
-                    queue,
-                    self.tag.as_str().into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await?;
-            Ok::<_, lapin::Error>(Live {
-                connection,
-                channel,
-                consumer,
-            })
-        };
-        match tokio::time::timeout(CONNECT_TIMEOUT, opening).await {
-            Ok(Ok(live)) => {
-                tracing::info!(endpoint = %self.endpoint, queue = %self.queue, "consuming from RabbitMQ");
-                Ok(live)
-            }
-            Ok(Err(e)) => Err(format!(
-                "consuming {} on RabbitMQ at {} failed: {e}",
-                self.queue, self.endpoint
-            )),
-            Err(_) => Err(format!(
-                "consuming {} on RabbitMQ at {}: no answer within {CONNECT_TIMEOUT:?}",
-                self.queue, self.endpoint
-            )),
+/// Opens a connection, a channel with `prefetch`, and the subscription to `queue`.
+async fn connect(
+    uri: Result<AMQPUri, String>,
+    endpoint: String,
+    queue: String,
+    tag: String,
+    prefetch: u16,
+) -> Result<Live, String> {
+    let uri = uri?;
+    let name = ShortString::try_new(queue.clone())
+        .map_err(|_| "the queue name is over 255 bytes".to_owned())?;
+    let opening = async {
+        let connection = Connection::connect_uri(uri, ConnectionProperties::default()).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await?;
+        let consumer = channel
+            .basic_consume(
+                name,
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok::<_, lapin::Error>(Live {
+            connection,
+            channel,
+            consumer,
+        })
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, opening).await {
+        Ok(Ok(live)) => {
+            tracing::info!(endpoint = %endpoint, queue = %queue, "consuming from RabbitMQ");
+            Ok(live)
         }
+        Ok(Err(e)) => Err(format!(
+            "consuming {queue} on RabbitMQ at {endpoint} failed: {e}"
+        )),
+        Err(_) => Err(format!(
+            "consuming {queue} on RabbitMQ at {endpoint}: no answer within {CONNECT_TIMEOUT:?}"
+        )),
     }
 }
 
@@ -133,8 +142,18 @@ impl super::Source for Source {
             let live = match &mut self.live {
                 Some(live) => live,
                 None => {
-                    let live = self.connect(prefetch).await?;
-                    self.live.insert(live)
+                    let connecting = self.connecting.get_or_insert_with(|| {
+                        Box::pin(connect(
+                            self.uri.clone(),
+                            self.endpoint.clone(),
+                            self.queue.clone(),
+                            self.tag.clone(),
+                            prefetch,
+                        ))
+                    });
+                    let opened = connecting.await;
+                    self.connecting = None;
+                    self.live.insert(opened?)
                 }
             };
             let next = tokio::time::timeout(LIVENESS_CHECK, live.consumer.next()).await;
@@ -240,17 +259,21 @@ struct RabbitSettle(Acker);
 
 impl Settle for RabbitSettle {
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
-        Box::pin(async move {
-            self.0.ack(BasicAckOptions::default()).await?;
-            Ok(())
-        })
+        Box::pin(async move { settled(self.0.ack(BasicAckOptions::default()).await) })
     }
 
     fn reject(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
-        Box::pin(async move {
-            self.0.reject(BasicRejectOptions { requeue: false }).await?;
-            Ok(())
-        })
+        Box::pin(async move { settled(self.0.reject(BasicRejectOptions { requeue: false }).await) })
+    }
+}
+
+/// lapin answers `false` when it could not settle (the channel is gone, or the delivery was
+/// settled already).
+fn settled(answer: lapin::Result<bool>) -> Result<(), BoxError> {
+    match answer {
+        Ok(true) => Ok(()),
+        Ok(false) => Err("the channel that delivered it is gone".into()),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -4,11 +4,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
+};
 use futures_util::FutureExt;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -59,6 +62,8 @@ pub(super) async fn run<S: Source, H: Handler>(
     let mut aggregates: HashMap<String, VecDeque<Incoming>> = HashMap::new();
     let mut queued = 0usize;
     let mut source_backoff = Backoff::new(SOURCE_RETRY_MIN, SOURCE_RETRY_MAX);
+    // After a failure of the source, when it may be asked again.
+    let mut retry_at: Option<Instant> = None;
     let spawn = |tasks: &mut JoinSet<Option<String>>, incoming: Incoming| {
         let (inner, stop) = (inner.clone(), stop.clone());
         let span = process_span(&inner, &incoming.delivery);
@@ -75,6 +80,7 @@ pub(super) async fn run<S: Source, H: Handler>(
         // The broker gives at most `prefetch` unacknowledged deliveries; this bound also
         // holds across a reconnect, while tasks of the old connection finish.
         let room = tasks.len() + queued < concurrency;
+        let waiting_out = retry_at.is_some_and(|at| at > Instant::now());
         tokio::select! {
             biased;
             () = &mut shutdown => break,
@@ -101,9 +107,11 @@ pub(super) async fn run<S: Source, H: Handler>(
                     }
                 }
             }
-            incoming = source.next(prefetch), if room => match incoming {
+            () = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if waiting_out => {}
+            incoming = source.next(prefetch), if room && !waiting_out => match incoming {
                 Ok(incoming) => {
                     source_backoff.reset();
+                    retry_at = None;
                     match incoming.delivery.aggregate_key.clone() {
                         Some(key) => match aggregates.get_mut(&key) {
                             Some(waiting) => {
@@ -121,10 +129,7 @@ pub(super) async fn run<S: Source, H: Handler>(
                 Err(e) => {
                     let delay = source_backoff.failed();
                     tracing::warn!(table = %table, consumer = %inner.name, error = %e, retry_in = ?delay, "consuming failed");
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        () = &mut shutdown => break,
-                    }
+                    retry_at = Some(Instant::now() + delay);
                 }
             },
         }
@@ -145,7 +150,12 @@ pub(super) async fn run<S: Source, H: Handler>(
         );
         tasks.shutdown().await;
     }
-    source.close().await;
+    if tokio::time::timeout(SETTLE_TIMEOUT, source.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!(table = %table, consumer = %inner.name, "closing the subscription took too long; it is dropped");
+    }
     tracing::info!(table = %table, consumer = %inner.name, "consumer stopped");
     Ok(())
 }
@@ -155,6 +165,7 @@ pub(super) async fn run<S: Source, H: Handler>(
 fn process_span<H>(inner: &Inner<H>, delivery: &Delivery) -> tracing::Span {
     let span = tracing::info_span!(
         target: "diesel_outbox",
+        parent: None,
         "process",
         otel.name = %format_args!("process {}", delivery.topic),
         otel.kind = "consumer",
@@ -184,6 +195,15 @@ async fn check_inbox<H>(inner: &Inner<H>) -> Result<()> {
     Ok(())
 }
 
+/// Why a run did not apply its delivery.
+enum Failed {
+    /// The handler failed (or panicked, or took too long): the run counts.
+    Handler(HandleError),
+    /// The database could not begin, record the key or commit: nobody's fault but the
+    /// database's, so the run does not count (as when no connection can be had).
+    Database(String),
+}
+
 /// Runs a delivery until it is applied, found a duplicate, rejected, or left by shutdown,
 /// and settles it with the broker.
 async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watch::Receiver<bool>) {
@@ -195,64 +215,67 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
     let mut runs = 0u32;
     let ended = loop {
         let started = Instant::now();
-        let mut conn = match inner.pool.get().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                let delay = unreachable.failed();
-                tracing::warn!(
-                    table = %table, consumer = %name, error = %Error::from(e), retry_in = ?delay,
-                    "no database connection; the delivery waits"
-                );
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => continue,
-                    () = crate::relay::until_stopped(&mut stop) => break Ended::Left,
-                }
-            }
+        let outcome = match inner.pool.get().await {
+            Ok(mut conn) => apply(inner, &delivery, &mut conn).await,
+            Err(e) => Err(Failed::Database(format!(
+                "no database connection: {}",
+                Error::from(e)
+            ))),
         };
-        unreachable.reset();
-        runs += 1;
-        let result = apply(inner, &delivery, &mut conn).await;
-        drop(conn);
-        let consumed = match &result {
-            Ok(true) => Consumed::Applied,
-            Ok(false) => Consumed::Duplicate,
-            Err(e) if e.is_reject() || runs >= options.max_deliveries => Consumed::Rejected,
-            Err(_) => Consumed::Retried,
-        };
-        inner.metrics.consumed(&delivery.topic, consumed);
-        match result {
+        let failure = match outcome {
             Ok(first) => {
+                inner.metrics.consumed(
+                    &delivery.topic,
+                    if first {
+                        Consumed::Applied
+                    } else {
+                        Consumed::Duplicate
+                    },
+                );
                 tracing::debug!(
                     table = %table, consumer = %name, key = %delivery.key, topic = %delivery.topic,
                     duplicate = !first, took = ?started.elapsed(), "delivery applied"
                 );
                 break Ended::Acked;
             }
-            Err(e) if e.is_reject() => {
-                tracing::error!(
-                    table = %table, consumer = %name, key = %delivery.key, topic = %delivery.topic,
-                    error = %e, "delivery rejected by its handler"
-                );
-                break Ended::Rejected;
-            }
-            Err(e) if runs >= options.max_deliveries => {
-                tracing::error!(
-                    table = %table, consumer = %name, key = %delivery.key, topic = %delivery.topic,
-                    runs, error = %e, "delivery rejected after max_deliveries runs"
-                );
-                break Ended::Rejected;
-            }
-            Err(e) => {
-                let delay = backoff.failed();
+            Err(Failed::Database(why)) => {
+                let delay = unreachable.failed();
                 tracing::warn!(
-                    table = %table, consumer = %name, key = %delivery.key, topic = %delivery.topic,
-                    runs, error = %e, retry_in = ?delay, "delivery failed; running it again"
+                    table = %table, consumer = %name, key = %delivery.key, error = %why,
+                    retry_in = ?delay, "the database failed; the delivery waits, spending no run"
                 );
                 tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
+                    () = tokio::time::sleep(delay) => continue,
                     () = crate::relay::until_stopped(&mut stop) => break Ended::Left,
                 }
             }
+            Err(Failed::Handler(e)) => e,
+        };
+        unreachable.reset();
+        runs += 1;
+        if failure.is_reject() || runs >= options.max_deliveries {
+            inner.metrics.consumed(&delivery.topic, Consumed::Rejected);
+            // The handler's error may quote what it could not read: only its kind is logged.
+            let why = if failure.is_reject() {
+                "rejected by its handler"
+            } else {
+                "rejected after max_deliveries runs"
+            };
+            tracing::error!(
+                table = %table, consumer = %name, key = %delivery.key, topic = %delivery.topic,
+                runs, error = %failure, "delivery {why}"
+            );
+            break Ended::Rejected;
+        }
+        inner.metrics.consumed(&delivery.topic, Consumed::Retried);
+        let delay = backoff.failed();
+        tracing::warn!(
+            table = %table, consumer = %name, key = %delivery.key, topic = %delivery.topic,
+            runs, error = %failure, retry_in = ?delay, "delivery failed; running it again"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = crate::relay::until_stopped(&mut stop) => break Ended::Left,
         }
     };
     let settling = match ended {
@@ -277,32 +300,62 @@ async fn apply<H: Handler>(
     inner: &Inner<H>,
     delivery: &Delivery,
     conn: &mut AsyncPgConnection,
-) -> std::result::Result<bool, HandleError> {
-    AnsiTransactionManager::begin_transaction(conn)
+) -> std::result::Result<bool, Failed> {
+    let database =
+        |e: diesel::result::Error| Failed::Database(inner.outbox.db_error(e).to_string());
+    AnsiTransactionManager::begin_transaction(&mut *conn)
         .await
-        .map_err(HandleError::retry)?;
+        .map_err(database)?;
     let applied = async {
         let first = match inner.outbox.dedupe(conn, &inner.name, &delivery.key).await {
             Ok(first) => first,
             // A key dedupe cannot take (empty, too long): no run can apply it.
-            Err(e @ Error::InvalidMessage(_)) => return Err(HandleError::reject(e)),
-            Err(e) => return Err(HandleError::retry(e)),
+            Err(e @ Error::InvalidMessage(_)) => {
+                return Err(Failed::Handler(HandleError::reject(e)));
+            }
+            Err(e) => return Err(Failed::Database(e.to_string())),
         };
-        if first {
-            inner.handler.handle(delivery, conn).await?;
+        if !first {
+            return Ok(false);
         }
-        Ok(first)
+        let timeout = inner.options.handler_timeout;
+        let handling = AssertUnwindSafe(inner.handler.handle(delivery, conn)).catch_unwind();
+        match tokio::time::timeout(timeout, handling).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => return Err(Failed::Handler(e)),
+            Ok(Err(_)) => return Err(Failed::Handler(HandleError::retry("the handler panicked"))),
+            Err(_) => {
+                return Err(Failed::Handler(HandleError::retry(format!(
+                    "the handler took over {timeout:?} (handler_timeout)"
+                ))));
+            }
+        }
+        // A handler that swallowed an error of its own statement leaves the transaction
+        // aborted, and PostgreSQL would answer the commit with a silent rollback: the
+        // delivery would be acknowledged with no effect. This fails in that state.
+        conn.batch_execute("SELECT 1").await.map_err(|_| {
+            Failed::Handler(HandleError::retry(
+                "the handler left its transaction aborted (an error it did not return)",
+            ))
+        })?;
+        Ok(true)
     }
     .await;
     match applied {
         Ok(first) => {
-            AnsiTransactionManager::commit_transaction(conn)
+            AnsiTransactionManager::commit_transaction(&mut *conn)
                 .await
-                .map_err(HandleError::retry)?;
+                .map_err(database)?;
             Ok(first)
         }
         Err(e) => {
-            let _ = AnsiTransactionManager::rollback_transaction(conn).await;
+            // Bounded: after a cut-off handler the connection may not answer; one left in
+            // its transaction is discarded by the pool.
+            let _ = tokio::time::timeout(
+                SETTLE_TIMEOUT,
+                AnsiTransactionManager::rollback_transaction(&mut *conn),
+            )
+            .await;
             Err(e)
         }
     }

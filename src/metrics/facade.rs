@@ -28,15 +28,27 @@ use crate::publisher::PublishError;
 /// | `outbox_oldest_pending_age_seconds` | gauge | | lag of the oldest due message (0 when none) |
 /// | `outbox_relay_blocked` | gauge | | 1 while a relay cannot reach its broker |
 ///
-/// Every series also carries the label `table`. The gauges come from
-/// [`Outbox::stats`](crate::Outbox::stats), which each running relay reads every
-/// `stats_interval` (5 s by default).
+/// Every series also carries the label `table`. The gauges describe the whole table: they
+/// come from [`Outbox::stats`](crate::Outbox::stats), which each running relay reads every
+/// `stats_interval` (5 s by default), so several relays report the same values (aggregate
+/// them with `max`, not `sum`). `outbox_relay_blocked` is 1 while any live relay of the
+/// table cannot reach its broker. The lag counts from the enqueue, a message's delay
+/// included.
 ///
-/// ```
-/// use diesel_outbox::FacadeMetrics;
+/// ```no_run
+/// use diesel_outbox::{FacadeMetrics, Outbox, PgPool, publisher_fn};
 ///
-/// let metrics = FacadeMetrics::new("orders_outbox");
-/// # let _ = metrics;
+/// # async fn run(pool: PgPool) -> Result<(), diesel_outbox::Error> {
+/// // Install a recorder first, for example metrics-exporter-prometheus's
+/// // `PrometheusBuilder::new().with_http_listener(([127, 0, 0, 1], 9464)).install()`.
+/// let outbox = Outbox::builder().table("orders_outbox").build()?;
+/// let publisher = publisher_fn(|_record| async { Ok(()) });
+/// let relay = outbox
+///     .relay(pool, publisher)
+///     .metrics(FacadeMetrics::new(outbox.table()))
+///     .build()?;
+/// relay.run_until(async { tokio::signal::ctrl_c().await.ok(); }).await?;
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 pub struct FacadeMetrics {
@@ -110,14 +122,6 @@ impl Metrics for FacadeMetrics {
 
     fn released(&self, n: usize) {
         self.count("outbox_released_total", None, n as u64);
-    }
-
-    fn blocked(&self, _err: &PublishError) {
-        self.gauge("outbox_relay_blocked", 1.0);
-    }
-
-    fn unblocked(&self, _outage: Duration) {
-        self.gauge("outbox_relay_blocked", 0.0);
     }
 
     fn fenced(&self, n: usize) {

@@ -88,13 +88,13 @@ pub trait Metrics: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Consumed {
-    /// Its handler applied it, and it was acknowledged.
+    /// Its handler applied it and the transaction committed (it is acknowledged next).
     Applied,
-    /// Its key was known already: acknowledged without running the handler.
+    /// Its key was known already: it is acknowledged without running the handler.
     Duplicate,
     /// The run failed and rolled back; the delivery runs again after a backoff.
     Retried,
-    /// Rejected: by its handler, or after `max_deliveries` runs.
+    /// To be rejected: by its handler, or after `max_deliveries` runs.
     Rejected,
 }
 

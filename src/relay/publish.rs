@@ -378,9 +378,6 @@ impl<P: Publisher> Relay<P> {
         let (records, tokens): (Vec<Record>, Vec<i64>) =
             go.into_iter().map(|c| (c.record, c.token)).unzip();
         let mut settled = vec![false; records.len()];
-        // One span per record for the wave, continuing the trace stored at enqueue.
-        let spans: Vec<tracing::Span> = records.iter().map(|r| self.publish_span(r)).collect();
-        let spans = &spans;
         let wave_start = Instant::now();
         // A publish may take half the lease, and must end a margin before the lease does.
         let half = options.lease / 2;
@@ -399,6 +396,12 @@ impl<P: Publisher> Relay<P> {
         let unavailable = AtomicBool::new(false);
         let pipelined =
             std::panic::catch_unwind(AssertUnwindSafe(|| inner.publisher.publish_batch(&records)));
+        // A pipelined batch publishes its records together: their spans last the wave.
+        // (One by one, each record's span covers its own publish, below.)
+        let _spans: Vec<tracing::Span> = match &pipelined {
+            Ok(Some(_)) => records.iter().map(|r| self.publish_span(r)).collect(),
+            _ => Vec::new(),
+        };
         let (mut stream, wave_deadline): (BoxStream<'_, (usize, Published)>, Option<Instant>) =
             match pipelined {
                 Ok(Some(pipelined)) => {
@@ -442,7 +445,7 @@ impl<P: Publisher> Relay<P> {
                                     Ok(publish) => {
                                         let publish = AssertUnwindSafe(publish)
                                             .catch_unwind()
-                                            .instrument(spans[i].clone());
+                                            .instrument(self.publish_span(record));
                                         match tokio::time::timeout_at(deadline, publish).await {
                                             Ok(Ok(result)) => result,
                                             Ok(Err(_)) => Err(panicked()),
@@ -549,12 +552,14 @@ impl<P: Publisher> Relay<P> {
         outcomes.flush_if_idle();
     }
 
-    /// Turns one record's publish result into its outcome.
     /// The span of one record's publish: a child of the enqueuing span on the first
     /// attempt, linked to it on a retry (with the `opentelemetry` feature).
     fn publish_span(&self, record: &Record) -> tracing::Span {
+        // A root unless the message carries a trace: never a child of whatever span the
+        // relay happens to run in.
         let span = tracing::info_span!(
             target: "diesel_outbox",
+            parent: None,
             "publish",
             otel.name = %format_args!("publish {}", record.topic),
             otel.kind = "producer",
@@ -568,6 +573,7 @@ impl<P: Publisher> Relay<P> {
         span
     }
 
+    /// Turns one record's publish result into its outcome.
     fn settle(
         &self,
         record: &Record,

@@ -18,7 +18,7 @@ pub(crate) struct StatsArgs {
     #[arg(long)]
     watch: bool,
     /// With `--watch`: stop after this many readings.
-    #[arg(long, requires = "watch")]
+    #[arg(long, requires = "watch", value_parser = clap::value_parser!(u32).range(1..))]
     count: Option<u32>,
 }
 
@@ -56,6 +56,7 @@ pub(crate) async fn stats(
     }
     let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut readings = 0u32;
     loop {
         tokio::select! {
@@ -63,7 +64,11 @@ pub(crate) async fn stats(
             _ = &mut interrupted => return Ok(()),
         }
         out.clear()?;
-        stats_once(outbox, conn, out).await?;
+        // Ctrl-C also ends a reading that hangs (the database not answering).
+        tokio::select! {
+            read = stats_once(outbox, conn, out) => read?,
+            _ = &mut interrupted => return Ok(()),
+        }
         readings += 1;
         if args.count.is_some_and(|count| readings >= count) {
             return Ok(());
