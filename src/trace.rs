@@ -154,7 +154,6 @@ mod tests {
         assert_eq!(sc.trace_state().header(), "vendor=1");
         for bad in [
             "",
-            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
             "00-xyz-00f067aa0ba902b7-01",
