@@ -57,24 +57,26 @@ pub(super) async fn run<S: Source, H: Handler>(
     tracing::info!(table = %table, consumer = %inner.name, options = ?inner.options, "consumer started");
     let (stopper, stop) = watch::channel(false);
     let mut shutdown = pin!(shutdown.fuse());
-    let mut tasks: JoinSet<Option<String>> = JoinSet::new();
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    // The aggregate of each task's delivery, by task, so that a task that ends any way
+    // (even panicking) lets its aggregate's next delivery go.
+    let mut task_aggregates: HashMap<tokio::task::Id, String> = HashMap::new();
     // Aggregates with a delivery in a task, and the deliveries queued behind it.
     let mut aggregates: HashMap<String, VecDeque<Incoming>> = HashMap::new();
     let mut queued = 0usize;
     let mut source_backoff = Backoff::new(SOURCE_RETRY_MIN, SOURCE_RETRY_MAX);
     // After a failure of the source, when it may be asked again.
     let mut retry_at: Option<Instant> = None;
-    let spawn = |tasks: &mut JoinSet<Option<String>>, incoming: Incoming| {
+    let spawn = |tasks: &mut JoinSet<()>,
+                 task_aggregates: &mut HashMap<tokio::task::Id, String>,
+                 incoming: Incoming| {
         let (inner, stop) = (inner.clone(), stop.clone());
         let span = process_span(&inner, &incoming.delivery);
-        tasks.spawn(
-            async move {
-                let aggregate = incoming.delivery.aggregate_key.clone();
-                settle(&inner, incoming, stop).await;
-                aggregate
-            }
-            .instrument(span),
-        );
+        let aggregate = incoming.delivery.aggregate_key.clone();
+        let task = tasks.spawn(settle_owned(inner, incoming, stop).instrument(span));
+        if let Some(aggregate) = aggregate {
+            task_aggregates.insert(task.id(), aggregate);
+        }
     };
     loop {
         // The broker gives at most `prefetch` unacknowledged deliveries; this bound also
@@ -84,14 +86,18 @@ pub(super) async fn run<S: Source, H: Handler>(
         tokio::select! {
             biased;
             () = &mut shutdown => break,
-            Some(done) = tasks.join_next(), if !tasks.is_empty() => {
-                let aggregate = match done {
-                    Ok(aggregate) => aggregate,
+            Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                let id = match done {
+                    Ok((id, ())) => id,
                     Err(e) => {
-                        tracing::error!(table = %table, consumer = %inner.name, error = %e, "a delivery's task panicked; it will be delivered again");
-                        None
+                        tracing::error!(
+                            table = %table, consumer = %inner.name, error = %e,
+                            "a delivery's task failed; the broker delivers it again once this subscription closes"
+                        );
+                        e.id()
                     }
                 };
+                let aggregate = task_aggregates.remove(&id);
                 // The aggregate's next delivery, if one waits.
                 if let Some(key) = aggregate
                     && let Some(waiting) = aggregates.get_mut(&key)
@@ -99,7 +105,7 @@ pub(super) async fn run<S: Source, H: Handler>(
                     match waiting.pop_front() {
                         Some(next) => {
                             queued -= 1;
-                            spawn(&mut tasks, next);
+                            spawn(&mut tasks, &mut task_aggregates, next);
                         }
                         None => {
                             aggregates.remove(&key);
@@ -120,10 +126,10 @@ pub(super) async fn run<S: Source, H: Handler>(
                             }
                             None => {
                                 aggregates.insert(key, VecDeque::new());
-                                spawn(&mut tasks, incoming);
+                                spawn(&mut tasks, &mut task_aggregates, incoming);
                             }
                         },
-                        None => spawn(&mut tasks, incoming),
+                        None => spawn(&mut tasks, &mut task_aggregates, incoming),
                     }
                 }
                 Err(e) => {
@@ -202,6 +208,15 @@ enum Failed {
     /// The database could not begin, record the key or commit: nobody's fault but the
     /// database's, so the run does not count (as when no connection can be had).
     Database(String),
+}
+
+/// [`settle`] on a task of its own.
+async fn settle_owned<H: Handler>(
+    inner: Arc<Inner<H>>,
+    incoming: Incoming,
+    stop: watch::Receiver<bool>,
+) {
+    settle(&inner, incoming, stop).await;
 }
 
 /// Runs a delivery until it is applied, found a duplicate, rejected, or left by shutdown,
