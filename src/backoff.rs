@@ -4,6 +4,17 @@
 
 use std::time::Duration;
 
+/// The bounds every configurable backoff must keep: `0 < min <= max <= 7 days`.
+pub(crate) fn check(min: Duration, max: Duration) -> Result<(), String> {
+    if min.is_zero() || min > max {
+        return Err(format!("backoff({min:?}, {max:?}) needs 0 < min <= max"));
+    }
+    if max > Duration::from_secs(7 * 24 * 60 * 60) {
+        return Err(format!("backoff max {max:?} must be at most 7 days"));
+    }
+    Ok(())
+}
+
 /// The delay after `failures` consecutive failures: `min` after the first, doubling with
 /// each one after it, never above `max` (no delay before any failure).
 pub(crate) fn capped(min: Duration, max: Duration, failures: u32) -> Duration {

@@ -23,6 +23,20 @@ fn cli(table: &str, args: &[&str]) -> Output {
         .expect("run diesel-outbox")
 }
 
+/// Sends SIGTERM to a relay process and waits (with a deadline) for it to exit.
+async fn terminate(relay: &mut std::process::Child) -> std::process::ExitStatus {
+    let term = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    eventually(Duration::from_secs(30), "the relay to exit", || {
+        let status = relay.try_wait().unwrap();
+        async move { status }
+    })
+    .await
+}
+
 fn stdout(out: &Output) -> String {
     assert!(
         out.status.success(),
@@ -93,16 +107,7 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
     keys.sort();
     assert_eq!(keys, ["k0", "k1", "k2", "k3", "k4"]);
 
-    let term = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
-    let status = eventually(Duration::from_secs(30), "the relay to exit", || {
-        let status = relay.try_wait().unwrap();
-        async move { status }
-    })
-    .await;
+    let status = terminate(&mut relay).await;
     assert!(status.success(), "exit {status:?}");
     let mut log = String::new();
     std::io::Read::read_to_string(&mut relay.stderr.take().unwrap(), &mut log).unwrap();
@@ -304,12 +309,7 @@ async fn the_relay_at_trace_logs_no_payload_and_no_password() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let term = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
-    let status = relay.wait().unwrap();
+    let status = terminate(&mut relay).await;
     let log = reader.join().unwrap();
     rabbitmqctl(&["delete_user", &user]);
     assert!(status.success(), "exit {status:?}");
@@ -413,14 +413,7 @@ async fn the_relay_serves_its_metrics_to_prometheus() {
         "{scraped}"
     );
     assert!(scraped.contains(&format!("table=\"{table}\"")), "{scraped}");
-    let _ = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status();
-    let status = eventually(Duration::from_secs(30), "the relay to exit", || {
-        let status = relay.try_wait().unwrap();
-        async move { status }
-    })
-    .await;
+    let status = terminate(&mut relay).await;
     assert!(status.success(), "exit {status:?}");
 }
 

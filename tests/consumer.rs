@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::broker::{SharedQueue, amqp_url};
-use common::{DEADLINE, TestSchema, eventually};
+use common::{DEADLINE, TestSchema, eventually, spawn_consumer, stop_relay};
 use diesel::QueryableByName;
 use diesel::sql_types::{Integer, Text};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
@@ -80,6 +80,15 @@ impl Setup {
         .collect()
     }
 
+    /// Waits until no delivery is left ready in the queue (the consumer took them all;
+    /// the ones it has not acked are counted after it stops).
+    async fn wait_queue_empty(&self) {
+        eventually(DEADLINE, "the queue emptied", || async {
+            (self.broker.ready(&self.broker.queue).await == 0).then_some(())
+        })
+        .await;
+    }
+
     async fn wait_effects(&self, n: usize) {
         eventually(DEADLINE, &format!("{n} effects"), || async {
             (self.effects().await.len() >= n).then_some(())
@@ -113,38 +122,6 @@ impl Setup {
     }
 }
 
-/// Runs `consumer` in the background until the returned sender fires.
-fn spawn<S: Source, H: Handler>(
-    consumer: Consumer<S, H>,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), Error>>,
-) {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        consumer
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
-    (stop, task)
-}
-
-async fn stop<T>(
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), T>>,
-) where
-    T: std::fmt::Debug,
-{
-    let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, task)
-        .await
-        .expect("run_until returned")
-        .unwrap()
-        .unwrap();
-}
-
 #[tokio::test]
 async fn each_message_has_one_effect_and_duplicates_are_acked_without_the_handler() {
     let s = Setup::new().await;
@@ -165,13 +142,10 @@ async fn each_message_has_one_effect_and_duplicates_are_acked_without_the_handle
         .handler(s.writer(runs.clone()))
         .build()
         .unwrap();
-    let (tx, task) = spawn(consumer);
+    let (tx, task) = spawn_consumer(consumer);
     s.wait_effects(10).await;
-    eventually(DEADLINE, "every delivery acked", || async {
-        (s.broker.ready(&s.broker.queue).await == 0).then_some(())
-    })
-    .await;
-    stop(tx, task).await;
+    s.wait_queue_empty().await;
+    stop_relay(tx, task).await;
 
     let mut keys: Vec<String> = s.effects().await.into_iter().map(|e| e.0).collect();
     keys.sort();
@@ -247,13 +221,13 @@ async fn a_crash_between_commit_and_ack_is_redelivered_and_applied_once() {
         .handler(s.writer(runs.clone()))
         .build()
         .unwrap();
-    let (tx, task) = spawn(first);
+    let (tx, task) = spawn_consumer(first);
     eventually(DEADLINE, "the commit, then the crash", || async {
         AtomicBool::load(&crashed, Ordering::SeqCst).then_some(())
     })
     .await;
     // The crashed runner's connection goes: the broker delivers the message again.
-    stop(tx, task).await;
+    stop_relay(tx, task).await;
     assert_eq!(s.effects().await.len(), 1, "committed before the crash");
 
     let redelivered = Arc::new(Mutex::new(Vec::new()));
@@ -266,13 +240,13 @@ async fn a_crash_between_commit_and_ack_is_redelivered_and_applied_once() {
         .handler(s.writer(runs.clone()))
         .build()
         .unwrap();
-    let (tx, task) = spawn(second);
+    let (tx, task) = spawn_consumer(second);
     eventually(DEADLINE, "the redelivery, acked", || async {
         let got = !redelivered.lock().unwrap().is_empty();
         (got && s.broker.ready(&s.broker.queue).await == 0).then_some(())
     })
     .await;
-    stop(tx, task).await;
+    stop_relay(tx, task).await;
     assert_eq!(
         *redelivered.lock().unwrap(),
         [true],
@@ -340,13 +314,10 @@ async fn a_handler_failing_twice_then_succeeding_applies_once_after_its_backoff(
         .backoff(Duration::from_millis(200), Duration::from_secs(5))
         .build()
         .unwrap();
-    let (tx, task) = spawn(consumer);
+    let (tx, task) = spawn_consumer(consumer);
     s.wait_effects(1).await;
-    eventually(DEADLINE, "the ack", || async {
-        (s.broker.ready(&s.broker.queue).await == 0).then_some(())
-    })
-    .await;
-    stop(tx, task).await;
+    s.wait_queue_empty().await;
+    stop_relay(tx, task).await;
     let runs = runs.lock().unwrap().clone();
     assert_eq!(runs.len(), 3, "three runs");
     assert_eq!(
@@ -390,12 +361,12 @@ async fn poison_goes_to_the_dead_letter_queue_after_max_deliveries_and_a_reject_
         .backoff(Duration::from_millis(10), Duration::from_millis(50))
         .build()
         .unwrap();
-    let (tx, task) = spawn(consumer);
+    let (tx, task) = spawn_consumer(consumer);
     eventually(DEADLINE, "both in the dead-letter queue", || async {
         (s.broker.ready(&s.broker.dead_letters).await == 2).then_some(())
     })
     .await;
-    stop(tx, task).await;
+    stop_relay(tx, task).await;
     let runs = runs.lock().unwrap().clone();
     assert_eq!(runs["poison"], 3, "max_deliveries runs");
     assert_eq!(runs["garbage"], 1, "a reject is final");
@@ -465,9 +436,9 @@ async fn one_aggregate_is_handled_in_order_while_eight_run_at_once() {
         .concurrency(8)
         .build()
         .unwrap();
-    let (tx, task) = spawn(consumer);
+    let (tx, task) = spawn_consumer(consumer);
     s.wait_effects(aggregates * per).await;
-    stop(tx, task).await;
+    stop_relay(tx, task).await;
 
     let mut by_aggregate: HashMap<String, Vec<i32>> = HashMap::new();
     for (_, aggregate, seq) in s.effects().await {
@@ -519,9 +490,9 @@ async fn a_shutdown_mid_stream_loses_nothing_and_applies_nothing_twice() {
         .concurrency(8)
         .build()
         .unwrap();
-    let (tx, task) = spawn(first);
+    let (tx, task) = spawn_consumer(first);
     s.wait_effects(n / 4).await;
-    stop(tx, task).await;
+    stop_relay(tx, task).await;
     let after_first = s.effects().await.len();
     assert!(after_first < n, "stopped mid-stream ({after_first} of {n})");
 
@@ -533,13 +504,10 @@ async fn a_shutdown_mid_stream_loses_nothing_and_applies_nothing_twice() {
         .metrics(tally.clone())
         .build()
         .unwrap();
-    let (tx, task) = spawn(second);
+    let (tx, task) = spawn_consumer(second);
     s.wait_effects(n).await;
-    eventually(DEADLINE, "every delivery acked", || async {
-        (s.broker.ready(&s.broker.queue).await == 0).then_some(())
-    })
-    .await;
-    stop(tx, task).await;
+    s.wait_queue_empty().await;
+    stop_relay(tx, task).await;
     let mut keys: Vec<String> = s.effects().await.into_iter().map(|e| e.0).collect();
     keys.sort();
     keys.dedup();
@@ -615,13 +583,10 @@ async fn a_panicking_a_hung_or_an_error_swallowing_handler_costs_a_run_not_the_c
         .backoff(Duration::from_millis(10), Duration::from_millis(50))
         .build()
         .unwrap();
-    let (tx, task) = spawn(consumer);
+    let (tx, task) = spawn_consumer(consumer);
     s.wait_effects(4).await;
-    eventually(DEADLINE, "every delivery acked", || async {
-        (s.broker.ready(&s.broker.queue).await == 0).then_some(())
-    })
-    .await;
-    stop(tx, task).await;
+    s.wait_queue_empty().await;
+    stop_relay(tx, task).await;
     let mut keys: Vec<String> = s.effects().await.into_iter().map(|e| e.0).collect();
     keys.sort();
     assert_eq!(

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::broker::{SharedQueue, amqp_url};
 use common::fakes::Recorder;
-use common::{DEADLINE, eventually, fixture, spawn_relay, stop_relay};
+use common::{DEADLINE, eventually, fixture, spawn_consumer, spawn_relay, stop_relay};
 use diesel_outbox::consumer::{Consumer, handler_fn, rabbitmq};
 use diesel_outbox::{FacadeMetrics, Message, PublishError};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
@@ -157,14 +157,7 @@ async fn the_facade_reports_a_relay_run_and_a_consumer_run() {
         .metrics(FacadeMetrics::new(f.outbox.table()))
         .build()
         .unwrap();
-    let (tx, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        consumer
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (tx, task) = spawn_consumer(consumer);
     let seen = Mutex::new(Seen::default());
     eventually(DEADLINE, "three deliveries", || async {
         let mut seen = seen.lock().unwrap();
@@ -174,8 +167,7 @@ async fn the_facade_reports_a_relay_run_and_a_consumer_run() {
         (ended == 3).then_some(())
     })
     .await;
-    let _ = tx.send(());
-    task.await.unwrap().unwrap();
+    stop_relay(tx, task).await;
     let mut seen = seen.into_inner().unwrap();
     let all = seen.read(&snapshotter);
     assert_eq!(all.counter("outbox_consumed_total{result=applied}"), 2);

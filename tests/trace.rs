@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::broker::{SharedQueue, amqp_url};
-use common::{DEADLINE, eventually, fixture, spawn_relay, stop_relay};
+use common::{DEADLINE, eventually, fixture, spawn_consumer, spawn_relay, stop_relay};
 use diesel_outbox::consumer::{Consumer, handler_fn, rabbitmq};
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Error, Message};
@@ -76,20 +76,12 @@ async fn enqueue_publish_and_handler_spans_share_one_trace() {
         }))
         .build()
         .unwrap();
-    let (tx, stopped) = tokio::sync::oneshot::channel::<()>();
-    let consuming = tokio::spawn(async move {
-        consumer
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (tx, consuming) = spawn_consumer(consumer);
     eventually(DEADLINE, "both messages handled", || async {
         (AtomicUsize::load(&handled, Ordering::SeqCst) == 2).then_some(())
     })
     .await;
-    let _ = tx.send(());
-    consuming.await.unwrap().unwrap();
+    stop_relay(tx, consuming).await;
     stop_relay(stop, task).await;
     provider.force_flush().unwrap();
 

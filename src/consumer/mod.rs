@@ -478,12 +478,7 @@ impl<S: Source, H: Handler> ConsumerBuilder<S, H> {
                 o.max_deliveries
             ));
         }
-        if o.backoff_min.is_zero() || o.backoff_min > o.backoff_max {
-            return bad(format!(
-                "backoff({:?}, {:?}) needs 0 < min <= max",
-                o.backoff_min, o.backoff_max
-            ));
-        }
+        crate::backoff::check(o.backoff_min, o.backoff_max).map_err(Error::InvalidOption)?;
         if o.handler_timeout < Duration::from_millis(1)
             || o.handler_timeout > Duration::from_secs(3600)
         {

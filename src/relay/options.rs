@@ -73,18 +73,7 @@ impl Options {
                 self.max_attempts
             ));
         }
-        if self.backoff_min.is_zero() || self.backoff_min > self.backoff_max {
-            return bad(format!(
-                "backoff({:?}, {:?}) needs 0 < min <= max",
-                self.backoff_min, self.backoff_max
-            ));
-        }
-        if self.backoff_max > 7 * DAY {
-            return bad(format!(
-                "backoff max {:?} must be at most 7 days",
-                self.backoff_max
-            ));
-        }
+        backoff::check(self.backoff_min, self.backoff_max).map_err(Error::InvalidOption)?;
         if self.drain_timeout > Duration::from_secs(60 * 60) {
             return bad(format!(
                 "drain_timeout {:?} must be at most 1 hour",

@@ -399,7 +399,9 @@ impl<P: Publisher> Relay<P> {
         // A pipelined batch publishes its records together: their spans last the wave.
         // (One by one, each record's span covers its own publish, below.)
         let _spans: Vec<tracing::Span> = match &pipelined {
-            Ok(Some(_)) => records.iter().map(|r| self.publish_span(r)).collect(),
+            Ok(Some(_)) if cfg!(feature = "opentelemetry") => {
+                records.iter().map(|r| self.publish_span(r)).collect()
+            }
             _ => Vec::new(),
         };
         let (mut stream, wave_deadline): (BoxStream<'_, (usize, Published)>, Option<Instant>) =
@@ -554,7 +556,12 @@ impl<P: Publisher> Relay<P> {
 
     /// The span of one record's publish: a child of the enqueuing span on the first
     /// attempt, linked to it on a retry (with the `opentelemetry` feature).
+    /// Without that feature it is none: a span per message would be work on the relay's
+    /// hot path that nothing reads.
     fn publish_span(&self, record: &Record) -> tracing::Span {
+        if !cfg!(feature = "opentelemetry") {
+            return tracing::Span::none();
+        }
         // A root unless the message carries a trace: never a child of whatever span the
         // relay happens to run in.
         let span = tracing::info_span!(

@@ -291,39 +291,30 @@ impl Drop for SharedQueue {
     fn drop(&mut self) {
         let queues = [self.queue.clone(), self.dead_letters.clone()];
         let exchanges = [self.exchange.clone(), format!("{}.dead", self.exchange)];
-        // Runs on its own thread and runtime so it also works while a test unwinds.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                let Ok(conn) =
-                    Connection::connect(&amqp_url(), ConnectionProperties::default()).await
-                else {
-                    return;
-                };
-                let Ok(channel) = conn.create_channel().await else {
-                    return;
-                };
-                for q in &queues {
-                    let _ = channel
-                        .queue_delete(
-                            q.as_str().into(),
-                            lapin::options::QueueDeleteOptions::default(),
-                        )
-                        .await;
-                }
-                for x in &exchanges {
-                    let _ = channel
-                        .exchange_delete(
-                            x.as_str().into(),
-                            lapin::options::ExchangeDeleteOptions::default(),
-                        )
-                        .await;
-                }
-            });
-        })
-        .join();
+        super::block_on_aside(async move {
+            let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await
+            else {
+                return;
+            };
+            let Ok(channel) = conn.create_channel().await else {
+                return;
+            };
+            for q in &queues {
+                let _ = channel
+                    .queue_delete(
+                        q.as_str().into(),
+                        lapin::options::QueueDeleteOptions::default(),
+                    )
+                    .await;
+            }
+            for x in &exchanges {
+                let _ = channel
+                    .exchange_delete(
+                        x.as_str().into(),
+                        lapin::options::ExchangeDeleteOptions::default(),
+                    )
+                    .await;
+            }
+        });
     }
 }

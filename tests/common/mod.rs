@@ -81,20 +81,25 @@ impl Drop for TestSchema {
                     .map(|s| format!("DROP SCHEMA IF EXISTS \"{s}\" CASCADE;")),
             )
             .collect();
-        // Runs on its own thread and runtime so it also works while a test unwinds.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                if let Ok(mut conn) = AsyncPgConnection::establish(&database_url()).await {
-                    let _ = conn.batch_execute(&sql).await;
-                }
-            });
-        })
-        .join();
+        block_on_aside(async move {
+            if let Ok(mut conn) = AsyncPgConnection::establish(&database_url()).await {
+                let _ = conn.batch_execute(&sql).await;
+            }
+        });
     }
+}
+
+/// Runs `work` to completion on a thread and runtime of its own: for clean-ups in `Drop`,
+/// which may run inside a test's runtime or while a test unwinds.
+pub fn block_on_aside(work: impl std::future::Future<Output = ()> + Send + 'static) {
+    let _ = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(work);
+    })
+    .join();
 }
 
 /// A lowercase name unique to this process and call.
@@ -220,7 +225,8 @@ impl Fixture {
     }
 }
 
-/// A relay running in the background, as [`spawn_relay`] starts it.
+/// A relay (or a consumer) running in the background, as [`spawn_relay`] (or
+/// [`spawn_consumer`]) starts it; [`stop_relay`] stops either.
 pub type RunningRelay = (
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<Result<(), diesel_outbox::Error>>,
@@ -239,7 +245,25 @@ pub fn spawn_relay<P: diesel_outbox::Publisher>(relay: diesel_outbox::Relay<P>) 
     (stop, task)
 }
 
-/// Stops a relay from [`spawn_relay`] and waits (with a deadline) for a clean return.
+/// Runs a consumer in the background until the returned sender fires (or is dropped).
+pub fn spawn_consumer<S, H>(consumer: diesel_outbox::consumer::Consumer<S, H>) -> RunningRelay
+where
+    S: diesel_outbox::consumer::Source,
+    H: diesel_outbox::consumer::Handler,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        consumer
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    (stop, task)
+}
+
+/// Stops a relay from [`spawn_relay`] (or a consumer from [`spawn_consumer`]) and waits
+/// (with a deadline) for a clean return.
 pub async fn stop_relay(
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), diesel_outbox::Error>>,

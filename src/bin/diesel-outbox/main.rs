@@ -169,9 +169,14 @@ mod tests {
 
     /// Runs the CLI in process as the binary would, returning its exit code, stdout and
     /// stderr.
+    /// `DATABASE_URL`, or the local test database.
+    fn database_url() -> String {
+        std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    }
+
     pub(crate) async fn cli(args: &[&str]) -> (u8, String, String) {
-        let database = std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        let database = database_url();
         let argv = ["diesel-outbox", "--database-url", &database]
             .into_iter()
             .chain(args.iter().copied());
@@ -222,12 +227,7 @@ mod tests {
         assert_eq!(code, NOT_MIGRATED, "{err}");
         assert!(err.contains("run `migrate` first"), "{err}");
 
-        let mut conn = AsyncPgConnection::establish(
-            &std::env::var("DATABASE_URL")
-                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
-        )
-        .await
-        .unwrap();
+        let mut conn = AsyncPgConnection::establish(&database_url()).await.unwrap();
         diesel_async::SimpleAsyncConnection::batch_execute(
             &mut conn,
             &format!("DROP SCHEMA \"{schema}\" CASCADE"),
