@@ -232,17 +232,24 @@ pub type RunningRelay = (
     tokio::task::JoinHandle<Result<(), diesel_outbox::Error>>,
 );
 
+/// Runs `run(shutdown)` on a task until the returned sender fires (or is dropped), when
+/// `shutdown` completes.
+fn spawn_until<F>(
+    run: impl FnOnce(futures_util::future::BoxFuture<'static, ()>) -> F,
+) -> RunningRelay
+where
+    F: std::future::Future<Output = Result<(), diesel_outbox::Error>> + Send + 'static,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(Box::pin(async {
+        let _ = stopped.await;
+    })));
+    (stop, task)
+}
+
 /// Runs a relay in the background until the returned sender fires (or is dropped).
 pub fn spawn_relay<P: diesel_outbox::Publisher>(relay: diesel_outbox::Relay<P>) -> RunningRelay {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
-    (stop, task)
+    spawn_until(move |shutdown| async move { relay.run_until(shutdown).await })
 }
 
 /// Runs a consumer in the background until the returned sender fires (or is dropped).
@@ -251,15 +258,7 @@ where
     S: diesel_outbox::consumer::Source,
     H: diesel_outbox::consumer::Handler,
 {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        consumer
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
-    (stop, task)
+    spawn_until(move |shutdown| async move { consumer.run_until(shutdown).await })
 }
 
 /// Stops a relay from [`spawn_relay`] (or a consumer from [`spawn_consumer`]) and waits
