@@ -50,3 +50,8 @@ pub const CONSUMER_BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// [`confirm_timeout`](crate::rabbitmq::RabbitMqPublisherBuilder::confirm_timeout).
 #[cfg(feature = "rabbitmq")]
 pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The NATS publisher's
+/// [`ack_timeout`](crate::nats::JetStreamPublisherBuilder::ack_timeout).
+#[cfg(feature = "nats")]
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);

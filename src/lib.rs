@@ -104,15 +104,17 @@
 //! - `sync`: the `sync` module, for `diesel::PgConnection` (links libpq).
 //! - `rabbitmq`: the RabbitMQ publisher, `rabbitmq::RabbitMqPublisher`, and the consumer
 //!   runner's RabbitMQ source, `consumer::rabbitmq::Source` (lapin).
+//! - `nats`: the NATS JetStream publisher, `nats::JetStreamPublisher`, and the consumer
+//!   runner's JetStream source, `consumer::nats::Source` (async-nats).
 //! - `metrics`: `FacadeMetrics`, the relay's and the consumer's metrics through the
 //!   `metrics` facade.
 //! - `opentelemetry`: trace propagation. An enqueue stores the current span's W3C trace
 //!   context with the row; the relay's publish span and the consumer runner's handler span
 //!   continue it, and publishers send it as the `traceparent`/`tracestate` headers (which
 //!   messages may not set themselves, feature or not).
-//! - `cli`: the `diesel-outbox` operator binary (with `rabbitmq` and `metrics`).
+//! - `cli`: the `diesel-outbox` operator binary (with `rabbitmq`, `nats` and `metrics`).
 //!
-//! No feature is on by default; the core never depends on AMQP.
+//! No feature is on by default; the core never depends on a broker.
 //!
 //! # Schema
 //! [`Outbox::migrate`] creates the table `<name>`, the inbox `<name>_inbox`, the version
@@ -189,6 +191,8 @@ pub use crate::metrics::FacadeMetrics;
 pub use crate::metrics::{Consumed, Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{Outbox, OutboxBuilder};
+#[cfg(feature = "nats")]
+pub use crate::publisher::nats;
 #[cfg(feature = "rabbitmq")]
 pub use crate::publisher::rabbitmq;
 pub use crate::publisher::{

@@ -63,6 +63,8 @@
 //! Hazard: `dedupe` records live in `<table>_inbox` until the relay's `inbox_retention`
 //! purges them; a redelivery later than that runs the handler again.
 
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 mod run;

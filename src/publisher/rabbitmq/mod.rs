@@ -49,15 +49,13 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use futures_util::stream;
 use lapin::types::ShortString;
 use lapin::uri::AMQPUri;
 use tokio::sync::Mutex;
 
 use self::connection::Link;
 use crate::error::{Error, Result};
-use crate::publisher::{BatchResults, PublishError, Publisher, Record};
+use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
 
 /// Publishes records to a RabbitMQ exchange with publisher confirms; see the
 /// [module docs](self).
@@ -199,15 +197,7 @@ impl Publisher for RabbitMqPublisher {
     }
 
     fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
-        let results = async move {
-            stream::iter(
-                self.publish_pipelined(records)
-                    .await
-                    .into_iter()
-                    .enumerate(),
-            )
-        };
-        Some(Box::pin(stream::once(results).flatten()))
+        Some(all_at_once(self.publish_pipelined(records)))
     }
 
     fn timeout(&self) -> Option<Duration> {

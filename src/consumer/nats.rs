@@ -1,0 +1,305 @@
+//! The NATS JetStream source (feature `nats`): one durable pull consumer, with explicit
+//! acknowledgements, pulled in batches of the consumer's concurrency.
+//!
+//! A message becomes a [`Delivery`]: its `Nats-Msg-Id` header is the key, its subject
+//! (without the [`Source::subject_prefix`], when it starts with it) the topic,
+//! `x-outbox-attempt` the attempt, `x-outbox-aggregate-key` the aggregate key and
+//! `Content-Type` the content type; other headers are the delivery's headers. A delivery
+//! counts as redelivered when JetStream delivered it before. A message without
+//! `Nats-Msg-Id` cannot be deduplicated: it is terminated (JetStream stops redelivering it
+//! and publishes a `MSG_TERMINATED` advisory) and logged.
+//!
+//! The acknowledgement is a double ack: the runner learns whether the server took it. A
+//! rejection terminates the message (JetStream has no dead-letter stream of its own: keep
+//! terminated messages by consuming the advisory, or give the consumer a `max_deliver`).
+//! Messages handed out and not settled when the source closes are redelivered once the
+//! JetStream consumer's `ack_wait` passes. The durable consumer must exist, as a pull
+//! consumer with explicit acks: create it in your deployment or at start-up. The
+//! connection is reopened by itself after a loss; credentials never appear in its `Debug`
+//! output, its errors or its logs.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::pull;
+use async_nats::jetstream::message::{AckKind, Acker};
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+
+use super::Delivery;
+use super::source::{Incoming, Settle};
+use crate::error::BoxError;
+use crate::publisher::nats::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, Servers};
+use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+
+/// The longest a connection and its subscription may take to open.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A durable JetStream pull consumer as the source of a [`Consumer`](super::Consumer).
+pub struct Source {
+    servers: Result<Servers, String>,
+    stream: String,
+    durable: String,
+    prefix: String,
+    live: Option<Live>,
+    /// A connection being opened: kept across calls of `next`, which the runner may drop
+    /// while it waits (a connect is not restarted each time).
+    connecting: Option<BoxFuture<'static, Result<Live, String>>>,
+}
+
+struct Live {
+    // Kept so the connection lives as long as the subscription.
+    _client: async_nats::Client,
+    messages: pull::Stream,
+}
+
+impl fmt::Debug for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let endpoint = self
+            .servers
+            .as_ref()
+            .map_or("(malformed URL)", |s| s.endpoint.as_str());
+        f.debug_struct("Source")
+            .field("endpoint", &endpoint)
+            .field("stream", &self.stream)
+            .field("durable", &self.durable)
+            .field("connected", &self.live.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Source {
+    /// Consumes the durable pull consumer `durable` of `stream` on the NATS server(s) at
+    /// `url` (`nats://[user:password@|token@]host:port`, or several, comma-separated).
+    pub fn durable(
+        url: impl AsRef<str>,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> Self {
+        Source {
+            servers: Servers::parse(url.as_ref()),
+            stream: stream.into(),
+            durable: durable.into(),
+            prefix: String::new(),
+            live: None,
+            connecting: None,
+        }
+    }
+
+    /// The relay's subject prefix, taken off the subject to give the delivery's topic
+    /// (`outbox.order.created` → `order.created` for `"outbox."`). Defaults to none: the
+    /// topic is the subject.
+    #[must_use]
+    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+}
+
+/// Opens a connection and pulls from the durable consumer in batches of `prefetch`.
+async fn connect(
+    servers: Result<Servers, String>,
+    stream: String,
+    durable: String,
+    prefetch: u16,
+) -> Result<Live, String> {
+    let servers = servers?;
+    let endpoint = servers.endpoint.clone();
+    let (client, _lost) = servers
+        .connect("diesel-outbox consumer", CONNECT_TIMEOUT)
+        .await?;
+    let jetstream = jetstream::new(client.clone());
+    let opening = async {
+        let consumer: PullConsumer = jetstream
+            .get_consumer_from_stream(&durable, &stream)
+            .await
+            .map_err(|e| e.to_string())?;
+        consumer
+            .stream()
+            .max_messages_per_batch(usize::from(prefetch.max(1)))
+            .messages()
+            .await
+            .map_err(|e| e.to_string())
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, opening).await {
+        Ok(Ok(messages)) => {
+            tracing::info!(endpoint = %endpoint, stream = %stream, durable = %durable, "consuming from NATS JetStream");
+            Ok(Live {
+                _client: client,
+                messages,
+            })
+        }
+        Ok(Err(e)) => Err(format!(
+            "consuming {stream}/{durable} on NATS at {endpoint} failed: {e}"
+        )),
+        Err(_) => Err(format!(
+            "consuming {stream}/{durable} on NATS at {endpoint}: no answer within {CONNECT_TIMEOUT:?}"
+        )),
+    }
+}
+
+impl super::Source for Source {
+    fn check(&self) -> Result<(), BoxError> {
+        self.servers.as_ref().map_err(|e| e.clone())?;
+        if self.stream.is_empty() || self.durable.is_empty() {
+            return Err("the stream and the durable consumer need names".into());
+        }
+        Ok(())
+    }
+
+    async fn next(&mut self, prefetch: u16) -> Result<Incoming, BoxError> {
+        loop {
+            let live = match &mut self.live {
+                Some(live) => live,
+                None => {
+                    let connecting = self.connecting.get_or_insert_with(|| {
+                        Box::pin(connect(
+                            self.servers.clone(),
+                            self.stream.clone(),
+                            self.durable.clone(),
+                            prefetch,
+                        ))
+                    });
+                    let opened = connecting.await;
+                    self.connecting = None;
+                    self.live.insert(opened?)
+                }
+            };
+            match live.messages.next().await {
+                Some(Ok(message)) => {
+                    let redelivered = message.info().is_ok_and(|info| info.delivered > 1);
+                    let (message, acker) = message.split();
+                    match delivery(&message, &self.prefix, redelivered) {
+                        Some(delivery) => {
+                            return Ok(Incoming {
+                                delivery,
+                                settle: Box::new(NatsSettle(acker)),
+                            });
+                        }
+                        None => {
+                            tracing::error!(
+                                stream = %self.stream, subject = %message.subject,
+                                "a message without Nats-Msg-Id cannot be deduplicated: terminated"
+                            );
+                            let _ = acker.ack_with(AckKind::Term).await;
+                        }
+                    }
+                }
+                Some(Err(e)) => {
+                    self.live = None;
+                    return Err(
+                        format!("NATS JetStream {}/{}: {e}", self.stream, self.durable).into(),
+                    );
+                }
+                None => {
+                    self.live = None;
+                    return Err(format!(
+                        "NATS JetStream ended the subscription to {}/{}",
+                        self.stream, self.durable
+                    )
+                    .into());
+                }
+            }
+        }
+    }
+
+    async fn close(&mut self) {
+        self.live = None;
+        self.connecting = None;
+    }
+}
+
+/// A message as a [`Delivery`]; `None` without `Nats-Msg-Id`.
+fn delivery(message: &async_nats::Message, prefix: &str, redelivered: bool) -> Option<Delivery> {
+    let headers = message.headers.as_ref()?;
+    let key = headers.get(MESSAGE_ID_HEADER)?.as_str().to_owned();
+    let subject = message.subject.as_str();
+    let topic = subject.strip_prefix(prefix).unwrap_or(subject);
+    let mut delivery = Delivery::new(key, topic, message.payload.to_vec());
+    delivery.redelivered = redelivered;
+    for (name, values) in headers.iter() {
+        let name: &str = name.as_ref();
+        let Some(value) = values.first().map(|v| v.as_str().to_owned()) else {
+            continue;
+        };
+        if name == MESSAGE_ID_HEADER {
+            continue;
+        } else if name == ATTEMPT_HEADER {
+            delivery.attempt = value.parse().unwrap_or(1);
+        } else if name == AGGREGATE_HEADER {
+            delivery.aggregate_key = Some(value);
+        } else if name == CONTENT_TYPE_HEADER {
+            delivery.content_type = Some(value);
+        } else {
+            delivery.headers.insert(name.to_owned(), value);
+        }
+    }
+    Some(delivery)
+}
+
+struct NatsSettle(Acker);
+
+impl Settle for NatsSettle {
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
+        Box::pin(async move { self.0.double_ack().await.map_err(|e| e as BoxError) })
+    }
+
+    fn reject(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
+        Box::pin(async move {
+            self.0
+                .double_ack_with(AckKind::Term)
+                .await
+                .map_err(|e| e as BoxError)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_shows_the_endpoint_and_never_the_url() {
+        let source = Source::durable(
+            "nats://relay:s3cret@mq.internal:4222",
+            "OUTBOX",
+            "invoicing",
+        );
+        let shown = format!("{source:?}");
+        assert!(shown.contains("mq.internal:4222"), "{shown}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        let bad = Source::durable("nats://relay:s3cret@[bad", "OUTBOX", "invoicing");
+        assert!(!format!("{bad:?}").contains("s3cret"));
+        assert!(super::super::Source::check(&bad).is_err());
+    }
+
+    #[test]
+    fn a_message_becomes_a_delivery() {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(MESSAGE_ID_HEADER, "k1");
+        headers.insert(ATTEMPT_HEADER, "2");
+        headers.insert(AGGREGATE_HEADER, "order-1");
+        headers.insert(CONTENT_TYPE_HEADER, "application/json");
+        headers.insert("tenant", "acme");
+        let message = async_nats::Message {
+            subject: "outbox.order.created".into(),
+            reply: None,
+            payload: "{}".into(),
+            headers: Some(headers),
+            status: None,
+            description: None,
+            length: 0,
+        };
+        let d = delivery(&message, "outbox.", true).unwrap();
+        assert_eq!((d.key.as_str(), d.topic.as_str()), ("k1", "order.created"));
+        assert_eq!(d.attempt, 2);
+        assert_eq!(d.aggregate_key.as_deref(), Some("order-1"));
+        assert_eq!(d.content_type.as_deref(), Some("application/json"));
+        assert_eq!(d.headers.len(), 1);
+        assert!(d.redelivered);
+        let mut bare = message.clone();
+        bare.headers = None;
+        assert!(delivery(&bare, "", false).is_none());
+    }
+}

@@ -1,0 +1,195 @@
+//! The NATS JetStream publisher (feature `nats`), on async-nats.
+//!
+//! Each record is published to the subject *prefix + topic*, which a JetStream stream must
+//! capture, with its payload and these NATS headers: `Nats-Msg-Id` (the idempotency key),
+//! `x-outbox-attempt`, `x-outbox-aggregate-key` when set, `Content-Type` when set, and the
+//! record's own headers (library headers win). A record counts as published only once the
+//! stream acknowledged it. Because `Nats-Msg-Id` is the idempotency key, JetStream itself
+//! drops a record published again inside the stream's duplicate window (2 minutes unless
+//! the stream says otherwise); such an acknowledgement says `duplicate` and counts as sent.
+//! A redelivery later than the window is stored again: the consumer's dedupe covers it.
+//!
+//! A claimed batch is pipelined: every record is sent, then every acknowledgement awaited,
+//! the whole batch within the ack timeout. An error the stream gives about one message is a
+//! transient failure (retried, then dead-lettered); no acknowledgement in time on a healthy
+//! connection is one too.
+//!
+//! The server being out of reach is not a message's fault: no stream for the subject, no
+//! responders, the client not connected, or the connection lost while acknowledgements
+//! were awaited are reported as [`PublishError::unavailable`], and the relay releases those
+//! records without spending their attempts. The client reconnects by itself, for ever.
+//!
+//! Before anything is sent, each record is checked against what NATS takes, and fails
+//! permanently and alone if it breaks a rule: a subject that is empty, over 1 KiB, with
+//! whitespace, a control character, a wildcard (`*`, `>`) or an empty token, or starting
+//! with `$` (the server's own APIs); a header name NATS refuses, or starting with `Nats-`
+//! (JetStream acts on those: `Nats-Rollup` would purge the stream); a header value, key or
+//! aggregate key with a line break; a message larger, with its headers, than the server's
+//! `max_payload`. None of these can reach the server, so no record can take the connection
+//! down.
+//!
+//! Credentials in the URL (`nats://user:password@host` or `nats://token@host`) are handed
+//! to async-nats as options, never inside the server addresses it logs; they never appear
+//! in the publisher's `Debug` output, its errors or its logs.
+//!
+//! Inside: `connection` (the URL and its credentials, connecting, lost connections),
+//! `properties` (a record as a NATS message, and the checks of what NATS takes),
+//! `pipeline` (a batch sent at once, its acknowledgements matched to records).
+
+mod connection;
+mod pipeline;
+mod properties;
+
+use std::fmt;
+use std::time::Duration;
+
+use async_nats::Client;
+use async_nats::jetstream;
+use tokio::sync::watch;
+
+pub(crate) use self::connection::{Servers, connected};
+pub(crate) use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
+use crate::error::{Error, Result};
+use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
+
+/// Publishes records to NATS JetStream, awaiting each stream acknowledgement; see the
+/// [module docs](self).
+///
+/// ```no_run
+/// use diesel_outbox::nats::JetStreamPublisher;
+///
+/// # async fn run() -> Result<(), diesel_outbox::Error> {
+/// // A stream capturing `outbox.>` must exist.
+/// let publisher = JetStreamPublisher::builder("nats://127.0.0.1:4222")
+///     .subject_prefix("outbox.")
+///     .connect()
+///     .await?;
+/// # let _ = publisher; Ok(()) }
+/// ```
+pub struct JetStreamPublisher {
+    /// `host:port[,…]`: how the servers are named in errors and logs (never the URL).
+    endpoint: String,
+    prefix: String,
+    ack_timeout: Duration,
+    client: Client,
+    jetstream: jetstream::Context,
+    /// Bumped on every lost connection.
+    lost: watch::Receiver<u64>,
+}
+
+impl fmt::Debug for JetStreamPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JetStreamPublisher")
+            .field("endpoint", &self.endpoint)
+            .field("subject_prefix", &self.prefix)
+            .field("ack_timeout", &self.ack_timeout)
+            .field("connected", &connected(&self.client))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`JetStreamPublisher`]; from [`JetStreamPublisher::builder`].
+#[must_use]
+pub struct JetStreamPublisherBuilder {
+    url: String,
+    prefix: String,
+    ack_timeout: Duration,
+}
+
+impl fmt::Debug for JetStreamPublisherBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JetStreamPublisherBuilder")
+            .field("subject_prefix", &self.prefix)
+            .field("ack_timeout", &self.ack_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JetStreamPublisher {
+    /// A publisher to the NATS server(s) at `url`: `nats://[user:password@|token@]host:port`,
+    /// or several such URLs separated by commas.
+    pub fn builder(url: impl Into<String>) -> JetStreamPublisherBuilder {
+        JetStreamPublisherBuilder {
+            url: url.into(),
+            prefix: String::new(),
+            ack_timeout: crate::defaults::ACK_TIMEOUT,
+        }
+    }
+
+    /// What subjects start with: the subject of a record is this prefix + its topic.
+    pub fn subject_prefix(&self) -> &str {
+        &self.prefix
+    }
+}
+
+impl JetStreamPublisherBuilder {
+    /// Put in front of every topic to make its subject (`"outbox."` makes topic
+    /// `order.created` go to `outbox.order.created`). Defaults to none: the subject is the
+    /// topic.
+    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest a batch may take; acknowledgements missing then count as transient
+    /// failures (or as an outage, when the connection was lost). The relay checks at
+    /// `build()` that it fits in half its lease. Defaults to 10 s.
+    pub fn ack_timeout(mut self, timeout: Duration) -> Self {
+        self.ack_timeout = timeout;
+        self
+    }
+
+    /// Validates the settings and connects (failing fast on a wrong URL or an unreachable
+    /// server). Later connection losses are repaired by the client itself.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for a malformed URL (not echoed: it may hold credentials),
+    /// a subject prefix that cannot start a valid subject, or a zero ack timeout;
+    /// [`Error::Publish`] when no server answers.
+    pub async fn connect(self) -> Result<JetStreamPublisher> {
+        let servers = Servers::parse(&self.url).map_err(Error::InvalidOption)?;
+        if !self.prefix.is_empty() {
+            properties::check_subject(&format!("{}x", self.prefix)).map_err(|why| {
+                Error::InvalidOption(format!("subject_prefix cannot start a subject: {why}"))
+            })?;
+        }
+        if self.ack_timeout.is_zero() {
+            return Err(Error::InvalidOption(
+                "ack_timeout must be above zero".into(),
+            ));
+        }
+        let (client, lost) = servers
+            .connect("diesel-outbox relay", self.ack_timeout)
+            .await
+            .map_err(|why| Error::Publish(PublishError::unavailable(why).into()))?;
+        tracing::info!(endpoint = %servers.endpoint, "connected to NATS");
+        let jetstream = jetstream::ContextBuilder::new()
+            .timeout(self.ack_timeout)
+            .build(client.clone());
+        Ok(JetStreamPublisher {
+            endpoint: servers.endpoint,
+            prefix: self.prefix,
+            ack_timeout: self.ack_timeout,
+            client,
+            jetstream,
+            lost,
+        })
+    }
+}
+
+impl Publisher for JetStreamPublisher {
+    async fn publish(&self, record: &Record) -> std::result::Result<(), PublishError> {
+        self.publish_pipelined(std::slice::from_ref(record))
+            .await
+            .pop()
+            .expect("one result per record")
+    }
+
+    fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
+        Some(all_at_once(self.publish_pipelined(records)))
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.ack_timeout)
+    }
+}
