@@ -278,4 +278,6 @@ pub async fn stop_relay(
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
 pub mod fakes;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod proxy;
