@@ -15,6 +15,10 @@
 //! kept per aggregate, one effect per message, stale relays fenced, and no dead letter but
 //! the poison rows.
 //!
+//! The suite runs against each publisher: RabbitMQ (restarted with `rabbitmqctl`) and NATS
+//! JetStream (nats-server restarted; its JetStream store on disk survives), with the
+//! consumer runner's source for that broker.
+//!
 //! The tests in this binary restart shared services, so they run one at a time (and cargo
 //! runs test binaries one after another).
 //!
@@ -36,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use common::TestSchema;
 use common::broker::{amqp_authority, amqp_url, amqp_url_via, rabbitmqctl};
+use common::nats::nats_url;
 use common::proxy::FaultProxy;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Text};
@@ -44,6 +49,13 @@ use diesel_outbox::consumer::{self, Consumer, HandleError, handler_fn};
 use diesel_outbox::{Error, Message, Outbox};
 use lapin::options::QueueDeleteOptions;
 use lapin::types::FieldTable;
+
+/// The broker a run of the suite publishes to and consumes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    RabbitMq,
+    Nats,
+}
 
 const RELAYS: usize = 3;
 const BATCH: usize = 50;
@@ -73,30 +85,51 @@ struct Tier {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fault_suite_ci_tier() {
     let _serial = SERIAL.lock().await;
-    run(Tier {
+    run(Kind::RabbitMq, ci_tier()).await;
+}
+
+/// The NATS tier: nats-server is cut off, restarted mid-run and stopped for longer than
+/// `max_attempts × backoff max`; nothing is lost and nothing but the poison dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fault_suite_ci_tier_nats() {
+    let _serial = SERIAL.lock().await;
+    run(Kind::Nats, ci_tier()).await;
+}
+
+fn ci_tier() -> Tier {
+    Tier {
         messages: 5_000,
         writers: 4,
         aggregates: 40,
         fault_every: Duration::from_millis(1_500),
         writing: Duration::from_secs(50),
         postgres_restarts: 1,
-    })
-    .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "long tier (about 20 minutes): cargo test --release --all-features --test faults -- --ignored"]
 async fn fault_suite_long_tier() {
     let _serial = SERIAL.lock().await;
-    run(Tier {
+    run(Kind::RabbitMq, long_tier()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "long tier (about 20 minutes): cargo test --release --all-features --test faults -- --ignored"]
+async fn fault_suite_long_tier_nats() {
+    let _serial = SERIAL.lock().await;
+    run(Kind::Nats, long_tier()).await;
+}
+
+fn long_tier() -> Tier {
+    Tier {
         messages: 100_000,
         writers: 8,
         aggregates: 400,
         fault_every: Duration::from_secs(4),
         writing: Duration::from_secs(15 * 60),
         postgres_restarts: 3,
-    })
-    .await;
+    }
 }
 
 /// What the harness saw, for the checker and the report.
@@ -215,7 +248,7 @@ impl Drop for Relays {
     }
 }
 
-async fn run(tier: Tier) {
+async fn run(kind: Kind, tier: Tier) {
     let started = Instant::now();
     let schema = TestSchema::new().await;
     let table = schema.table("outbox");
@@ -233,66 +266,49 @@ async fn run(tier: Tier) {
     .await
     .unwrap();
 
-    // A durable exchange and queue: they must survive the broker restart.
-    let exchange = common::unique("faults");
-    let queue = exchange.clone();
-    {
-        let amqp = common::broker::connect().await;
-        let channel = amqp.create_channel().await.unwrap();
-        common::broker::declare(
-            &channel,
-            &exchange,
-            &queue,
-            true,
-            "#",
-            FieldTable::default(),
-        )
-        .await;
-        let _ = amqp.close(200, "declared".into()).await;
-    }
-
-    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
-    let proxy = FaultProxy::start(upstream).await;
+    let broker = Broker::new(kind).await;
+    let proxy = FaultProxy::start(broker.upstream()).await;
     let app_name = format!("outbox_fault_relay_{}", schema.name);
     let logs = std::env::temp_dir().join(&schema.name);
     std::fs::create_dir_all(&logs).unwrap();
     let mut relays = Relays {
-        args: [
-            "--table",
-            &table,
-            "relay",
-            "--exchange",
-            &exchange,
-            "--batch-size",
-            &BATCH.to_string(),
-            "--lease",
-            &format!("{}ms", LEASE.as_millis()),
-            "--poll-interval",
-            "200ms",
-            "--backoff-min",
-            "50ms",
-            "--backoff-max",
-            &format!("{}ms", BACKOFF_MAX.as_millis()),
-            "--max-attempts",
-            &MAX_ATTEMPTS.to_string(),
-            "--drain-timeout",
-            "1s",
-            "--confirm-timeout",
-            "1s",
-            "--retention",
-            "off",
-            "--inbox-retention",
-            "off",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect(),
+        args: ["--table", &table, "relay"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(broker.relay_args())
+            .chain(
+                [
+                    "--batch-size",
+                    &BATCH.to_string(),
+                    "--lease",
+                    &format!("{}ms", LEASE.as_millis()),
+                    "--poll-interval",
+                    "200ms",
+                    "--backoff-min",
+                    "50ms",
+                    "--backoff-max",
+                    &format!("{}ms", BACKOFF_MAX.as_millis()),
+                    "--max-attempts",
+                    &MAX_ATTEMPTS.to_string(),
+                    "--drain-timeout",
+                    "1s",
+                    "--confirm-timeout",
+                    "1s",
+                    "--retention",
+                    "off",
+                    "--inbox-retention",
+                    "off",
+                ]
+                .iter()
+                .map(|s| s.to_string()),
+            )
+            .collect(),
         env: vec![
             (
                 "DATABASE_URL".into(),
                 common::with_application_name(&common::database_url(), &app_name),
             ),
-            ("AMQP_URL".into(), amqp_url_via(proxy.addr)),
+            broker.relay_env(proxy.addr),
             (
                 "RUST_LOG".into(),
                 "warn,lapin=error,diesel_outbox=info".into(),
@@ -310,7 +326,7 @@ async fn run(tier: Tier) {
     let log = Arc::new(Log::default());
     let consuming = Arc::new(AtomicBool::new(true));
     let consumer = tokio::spawn(consume(
-        queue.clone(),
+        broker.clone(),
         outbox.clone(),
         schema.name.clone(),
         log.clone(),
@@ -362,7 +378,7 @@ async fn run(tier: Tier) {
     }
 
     // Faults, round-robin over the kinds, until the writers are done.
-    let kinds = [
+    let fault_kinds = [
         "relay SIGKILL",
         "poison rows",
         "relay SIGSTOP beyond lease",
@@ -377,25 +393,26 @@ async fn run(tier: Tier) {
     let mut poison: Vec<String> = Vec::new();
     while writers.iter().any(|w| !w.is_finished()) {
         tokio::time::sleep(tier.fault_every).await;
-        let kind = kinds[round % kinds.len()];
+        let fault = fault_kinds[round % fault_kinds.len()];
         round += 1;
-        let fired = log.faults.lock().unwrap().get(kind).copied().unwrap_or(0);
-        match kind {
+        let fired = log.faults.lock().unwrap().get(fault).copied().unwrap_or(0);
+        match fault {
             "poison rows" => {
                 for _ in 0..POISON_KINDS {
-                    let key = write_poison(&mut admin, &table, poison.len(), tier.aggregates).await;
+                    let key =
+                        write_poison(&mut admin, &table, kind, poison.len(), tier.aggregates).await;
                     poison.push(key);
                 }
-                log.fault(kind);
+                log.fault(fault);
             }
             "broker stopped beyond max_attempts × backoff max" => {
                 if fired > 0 {
                     continue; // once per run
                 }
-                rabbitmqctl(&["stop_app"]);
+                broker.stop();
                 tokio::time::sleep(BROKER_DOWN).await;
-                rabbitmqctl(&["start_app"]);
-                log.fault(kind);
+                broker.start();
+                log.fault(fault);
             }
             "PostgreSQL restart" => {
                 if fired >= tier.postgres_restarts {
@@ -403,17 +420,17 @@ async fn run(tier: Tier) {
                 }
                 restart_postgres();
                 admin = reconnect(&schema.name).await;
-                log.fault(kind);
+                log.fault(fault);
             }
             "relay SIGKILL" => {
                 let slot = fastrand::usize(0..RELAYS);
                 relays.kill(slot);
                 relays.spawn(slot);
-                log.fault(kind);
+                log.fault(fault);
             }
             "relay SIGSTOP beyond lease" => {
                 pause_beyond_lease(&mut relays, &mut admin, &table).await;
-                log.fault(kind);
+                log.fault(fault);
             }
             "relay backends terminated" => {
                 #[derive(QueryableByName)]
@@ -430,21 +447,21 @@ async fn run(tier: Tier) {
                 .await
                 .unwrap();
                 if killed.n > 0 {
-                    log.fault(kind);
+                    log.fault(fault);
                 }
             }
             "broker connections cut" => {
                 if proxy.cut() > 0 {
-                    log.fault(kind);
+                    log.fault(fault);
                 }
             }
             "broker restart" => {
-                if log.faults.lock().unwrap().contains_key(kind) {
+                if log.faults.lock().unwrap().contains_key(fault) {
                     continue; // once per run
                 }
-                rabbitmqctl(&["stop_app"]);
-                rabbitmqctl(&["start_app"]);
-                log.fault(kind);
+                broker.stop();
+                broker.start();
+                log.fault(fault);
             }
             _ => unreachable!(),
         }
@@ -492,7 +509,7 @@ async fn run(tier: Tier) {
     // Every publish is confirmed by now, late duplicates of stale relays included: consume
     // until the queue holds nothing, ready or unacknowledged.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while queue_depth(&queue) > 0 {
+    while broker.depth().await > 0 {
         assert!(
             Instant::now() < deadline,
             "the consumer never emptied the queue"
@@ -614,7 +631,7 @@ async fn run(tier: Tier) {
         .max_claimed_rows();
     let duplicate_bound = fault_events.max(1) * RELAYS * held;
     println!(
-        "fault suite: {written} committed messages ({} rolled back attempts), {} deliveries, \
+        "fault suite ({kind:?}): {written} committed messages ({} rolled back attempts), {} deliveries, \
          {duplicates} duplicate deliveries (bound {duplicate_bound}), {redelivered} flagged \
          redelivered, {retried} with attempt > 1, {fenced} fenced outcomes, faults {faults:?}, \
          {} relay processes started, drained {:.1} s after the faults stopped, total {:.0} s; \
@@ -677,23 +694,15 @@ async fn run(tier: Tier) {
     assert_eq!(dead, expected_dead, "no dead letter but the poison rows");
     assert_eq!(rows.other, poison.len() as i64);
     assert_eq!(rows.leased, 0, "no row left leased");
-    for kind in kinds {
+    for fault in fault_kinds {
         assert!(
-            faults.get(kind).copied().unwrap_or(0) > 0,
-            "fault never fired: {kind}"
+            faults.get(fault).copied().unwrap_or(0) > 0,
+            "fault never fired: {fault}"
         );
     }
     assert!(fenced > 0, "pauses ran but no stale relay was fenced");
 
-    // Clean up the broker side.
-    let amqp = common::broker::connect().await;
-    let channel = amqp.create_channel().await.unwrap();
-    let _ = channel
-        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await;
-    let _ = channel
-        .exchange_delete(exchange.as_str().into(), Default::default())
-        .await;
+    broker.delete().await;
     let _ = std::fs::remove_dir_all(logs);
 }
 
@@ -895,22 +904,30 @@ const POISON_KINDS: usize = 4;
 
 /// Writes the `n`-th poison row by SQL, into one of the business aggregates (so it blocks
 /// that aggregate until it dies): headers serde cannot read, an `infinity` enqueue time,
-/// headers too large for the broker's frame, or a `CC` header. Returns its key.
+/// headers too large for the broker, or a header the broker refuses. Returns its key.
 async fn write_poison(
     conn: &mut AsyncPgConnection,
     table: &str,
+    broker: Kind,
     n: usize,
     aggregates: usize,
 ) -> String {
+    // What the broker refuses of a header: RabbitMQ routes on `CC`, JetStream acts on
+    // `Nats-` headers (`Nats-Rollup` would purge the stream).
+    let refused_header = match broker {
+        Kind::RabbitMq => "'{\"CC\": \"elsewhere\"}'::jsonb",
+        Kind::Nats => "'{\"Nats-Rollup\": \"all\"}'::jsonb",
+    };
     let kinds: [(&str, &str, &str); POISON_KINDS] = [
         ("huge-number", "'{\"n\": 1e400}'::jsonb", "now()"),
         ("infinite", "'{}'::jsonb", "'infinity'"),
+        // Over RabbitMQ's frame_max (128 KiB) and NATS's max_payload (1 MiB).
         (
             "oversized-headers",
-            "jsonb_build_object('h', repeat('x', 300000))",
+            "jsonb_build_object('h', repeat('x', 1100000))",
             "now()",
         ),
-        ("cc-header", "'{\"CC\": \"elsewhere\"}'::jsonb", "now()"),
+        ("refused-header", refused_header, "now()"),
     ];
     let (kind, headers, created_at) = kinds[n % kinds.len()];
     let key = format!("poison-{kind}-{n}");
@@ -931,7 +948,27 @@ async fn write_poison(
 /// each message once through every fault. Every delivery (duplicates too) is logged as the
 /// source hands it over, in delivery order.
 async fn consume(
-    queue: String,
+    broker: Broker,
+    outbox: Outbox,
+    schema: String,
+    log: Arc<Log>,
+    running: Arc<AtomicBool>,
+) {
+    match broker {
+        Broker::RabbitMq { queue, .. } => {
+            let source = consumer::rabbitmq::Source::queue(amqp_url(), &queue);
+            consume_from(source, outbox, schema, log, running).await;
+        }
+        Broker::Nats { stream, prefix } => {
+            let source = consumer::nats::Source::durable(nats_url(), &stream, CONSUMER)
+                .subject_prefix(prefix);
+            consume_from(source, outbox, schema, log, running).await;
+        }
+    }
+}
+
+async fn consume_from<S: consumer::Source>(
+    source: S,
     outbox: Outbox,
     schema: String,
     log: Arc<Log>,
@@ -939,10 +976,7 @@ async fn consume(
 ) {
     let effects = format!("{schema}.effects");
     let consumer = Consumer::builder(outbox, common::pool(8).await, "faults")
-        .source(Logged {
-            inner: consumer::rabbitmq::Source::queue(amqp_url(), &queue),
-            log,
-        })
+        .source(Logged { inner: source, log })
         .handler(handler_fn(move |delivery, conn| {
             let effects = effects.clone();
             Box::pin(async move {
@@ -970,12 +1004,12 @@ async fn consume(
 }
 
 /// Logs every delivery the runner takes.
-struct Logged {
-    inner: consumer::rabbitmq::Source,
+struct Logged<S> {
+    inner: S,
     log: Arc<Log>,
 }
 
-impl consumer::Source for Logged {
+impl<S: consumer::Source> consumer::Source for Logged<S> {
     async fn next(&mut self, prefetch: u16) -> Result<consumer::Incoming, diesel_outbox::BoxError> {
         let incoming = self.inner.next(prefetch).await?;
         let d = &incoming.delivery;
@@ -993,6 +1027,174 @@ impl consumer::Source for Logged {
     async fn close(&mut self) {
         self.inner.close().await;
     }
+}
+
+/// The durable JetStream consumer's name.
+const CONSUMER: &str = "faults";
+
+/// The broker side of one run: durable destinations that survive the broker's restart.
+#[derive(Clone)]
+enum Broker {
+    RabbitMq { exchange: String, queue: String },
+    Nats { stream: String, prefix: String },
+}
+
+impl Broker {
+    async fn new(kind: Kind) -> Broker {
+        let name = common::unique("faults");
+        match kind {
+            Kind::RabbitMq => {
+                let amqp = common::broker::connect().await;
+                let channel = amqp.create_channel().await.unwrap();
+                common::broker::declare(&channel, &name, &name, true, "#", FieldTable::default())
+                    .await;
+                let _ = amqp.close(200, "declared".into()).await;
+                Broker::RabbitMq {
+                    exchange: name.clone(),
+                    queue: name,
+                }
+            }
+            Kind::Nats => {
+                use async_nats::jetstream::{self, consumer, stream};
+                let js = jetstream::new(common::nats::connect().await);
+                let stream_name = name.to_uppercase();
+                let prefix = format!("{name}.");
+                let created = js
+                    .create_stream(stream::Config {
+                        name: stream_name.clone(),
+                        subjects: vec![format!("{prefix}>")],
+                        storage: stream::StorageType::File,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                created
+                    .create_consumer(consumer::pull::Config {
+                        durable_name: Some(CONSUMER.into()),
+                        ack_policy: consumer::AckPolicy::Explicit,
+                        ack_wait: Duration::from_secs(5),
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                Broker::Nats {
+                    stream: stream_name,
+                    prefix,
+                }
+            }
+        }
+    }
+
+    /// Where the fault proxy forwards to.
+    fn upstream(&self) -> std::net::SocketAddr {
+        let authority = match self {
+            Broker::RabbitMq { .. } => amqp_authority(),
+            Broker::Nats { .. } => nats_url().trim_start_matches("nats://").to_owned(),
+        };
+        authority.to_socket_addrs().unwrap().next().unwrap()
+    }
+
+    fn relay_args(&self) -> Vec<String> {
+        let args: Vec<&str> = match self {
+            Broker::RabbitMq { exchange, .. } => vec!["--exchange", exchange],
+            Broker::Nats { prefix, .. } => vec!["--broker", "nats", "--subject-prefix", prefix],
+        };
+        args.into_iter().map(str::to_owned).collect()
+    }
+
+    /// The broker URL the relays get: through the fault proxy.
+    fn relay_env(&self, proxy: std::net::SocketAddr) -> (String, String) {
+        match self {
+            Broker::RabbitMq { .. } => ("AMQP_URL".into(), amqp_url_via(proxy)),
+            Broker::Nats { .. } => ("NATS_URL".into(), format!("nats://{proxy}")),
+        }
+    }
+
+    fn stop(&self) {
+        match self {
+            Broker::RabbitMq { .. } => rabbitmqctl(&["stop_app"]),
+            Broker::Nats { .. } => nats_server("--stop", &["--retry", "TERM/10/KILL/5"]),
+        }
+    }
+
+    fn start(&self) {
+        match self {
+            Broker::RabbitMq { .. } => rabbitmqctl(&["start_app"]),
+            Broker::Nats { .. } => {
+                nats_server(
+                    "--start",
+                    &[
+                        "--oknodo",
+                        "--background",
+                        "--",
+                        "-a",
+                        "127.0.0.1",
+                        "-p",
+                        "4222",
+                        "-js",
+                        "-sd",
+                        "/var/lib/nats-server",
+                        "-l",
+                        "/var/log/nats-server.log",
+                    ],
+                );
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while std::net::TcpStream::connect(self.upstream()).is_err() {
+                    assert!(Instant::now() < deadline, "nats-server did not come back");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    /// Messages not yet consumed: ready, or delivered and not acknowledged.
+    async fn depth(&self) -> u64 {
+        match self {
+            Broker::RabbitMq { queue, .. } => queue_depth(queue),
+            Broker::Nats { stream, .. } => {
+                let js = async_nats::jetstream::new(common::nats::connect().await);
+                let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+                    js.get_consumer_from_stream(CONSUMER, stream).await.unwrap();
+                let info = consumer.info().await.unwrap();
+                info.num_pending + info.num_ack_pending as u64
+            }
+        }
+    }
+
+    async fn delete(&self) {
+        match self {
+            Broker::RabbitMq { exchange, queue } => {
+                let amqp = common::broker::connect().await;
+                let channel = amqp.create_channel().await.unwrap();
+                let _ = channel
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let _ = channel
+                    .exchange_delete(exchange.as_str().into(), Default::default())
+                    .await;
+            }
+            Broker::Nats { stream, .. } => {
+                let js = async_nats::jetstream::new(common::nats::connect().await);
+                let _ = js.delete_stream(stream).await;
+            }
+        }
+    }
+}
+
+/// Runs `start-stop-daemon` on the local nats-server; panics if it fails.
+fn nats_server(action: &str, args: &[&str]) {
+    let status = Command::new("start-stop-daemon")
+        .arg(action)
+        .args(["--exec", "/usr/sbin/nats-server"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("start-stop-daemon");
+    assert!(
+        status.success(),
+        "start-stop-daemon {action} nats-server failed"
+    );
 }
 
 /// Messages in `queue`, ready or delivered but not yet acknowledged.

@@ -1,26 +1,46 @@
-//! `relay`: a relay to RabbitMQ until SIGINT or SIGTERM, then a drain. Its options default
+//! `relay`: a relay to RabbitMQ or NATS JetStream until SIGINT or SIGTERM, then a drain. Its options default
 //! to the library's (`diesel_outbox::defaults`); its logs leave out what dependencies would
 //! print of payloads and credentials.
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_outbox::defaults;
+use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
-use diesel_outbox::{Error, Outbox, PgPool};
+use diesel_outbox::{Error, Outbox, PgPool, Publisher, Relay};
 use futures_util::FutureExt;
 
 use crate::durations::{Age, Period};
 use crate::secret::SecretUrl;
-use crate::{CONNECTION, Failure};
+use crate::{CONNECTION, Failure, USAGE};
+
+/// The brokers a relay can publish to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Broker {
+    /// RabbitMQ: `--amqp-url` and `--exchange`.
+    Rabbitmq,
+    /// NATS JetStream: `--nats-url` and `--subject-prefix`.
+    Nats,
+}
 
 #[derive(Args)]
 pub(crate) struct RelayArgs {
-    /// RabbitMQ URL.
+    /// The broker to publish to.
+    #[arg(long, value_enum, default_value_t = Broker::Rabbitmq, env = "OUTBOX_BROKER")]
+    broker: Broker,
+    /// RabbitMQ URL (with `--broker rabbitmq`).
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    amqp_url: SecretUrl,
-    /// Exchange to publish to (must exist).
+    amqp_url: Option<SecretUrl>,
+    /// Exchange to publish to, which must exist (with `--broker rabbitmq`).
     #[arg(long, env = "OUTBOX_EXCHANGE")]
-    exchange: String,
+    exchange: Option<String>,
+    /// NATS URL, or several comma-separated (with `--broker nats`).
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    nats_url: Option<SecretUrl>,
+    /// Put in front of each topic to make its NATS subject, which a JetStream stream must
+    /// capture (with `--broker nats`).
+    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "")]
+    subject_prefix: String,
     /// Rows claimed per cycle.
     #[arg(long, default_value_t = defaults::BATCH_SIZE)]
     pub(crate) batch_size: usize,
@@ -54,7 +74,8 @@ pub(crate) struct RelayArgs {
     /// Purge inbox records older than this; `off` keeps them.
     #[arg(long, default_value_t = Age(Some(defaults::INBOX_RETENTION)), allow_hyphen_values = true)]
     pub(crate) inbox_retention: Age,
-    /// Broker confirm timeout per batch.
+    /// The longest a batch may wait for the broker's confirms (RabbitMQ) or
+    /// acknowledgements (NATS).
     #[arg(long, default_value_t = Period(defaults::CONFIRM_TIMEOUT), allow_hyphen_values = true)]
     pub(crate) confirm_timeout: Period,
     /// The most payload and header bytes one claim takes (at least one row).
@@ -89,20 +110,64 @@ pub(crate) async fn run(
             .map_err(|e| Failure::new(1, format!("cannot serve metrics on {addr}: {e}")))?;
         tracing::info!(%addr, "serving metrics");
     }
+    let started = async {
+        let pool = pool(outbox, database_url, &args).await?;
+        let relay = match args.broker {
+            Broker::Rabbitmq => {
+                let (Some(url), Some(exchange)) = (&args.amqp_url, &args.exchange) else {
+                    return Err(Failure::new(
+                        USAGE,
+                        "--broker rabbitmq needs --amqp-url (or AMQP_URL) and --exchange \
+                         (or OUTBOX_EXCHANGE)",
+                    ));
+                };
+                let publisher = RabbitMqPublisher::builder(url.expose(), exchange)
+                    .confirm_timeout(args.confirm_timeout.0)
+                    .connect()
+                    .await?;
+                Running::Rabbitmq(build(outbox, pool, publisher, &args)?)
+            }
+            Broker::Nats => {
+                let Some(url) = &args.nats_url else {
+                    return Err(Failure::new(
+                        USAGE,
+                        "--broker nats needs --nats-url (or NATS_URL)",
+                    ));
+                };
+                let publisher = JetStreamPublisher::builder(url.expose())
+                    .subject_prefix(&args.subject_prefix)
+                    .ack_timeout(args.confirm_timeout.0)
+                    .connect()
+                    .await?;
+                Running::Nats(build(outbox, pool, publisher, &args)?)
+            }
+        };
+        Ok(relay)
+    };
     let relay = tokio::select! {
-        relay = start(outbox, database_url, &args) => relay?,
+        relay = started => relay?,
         () = shutdown.clone() => return Ok(()),
     };
-    relay.run_until(shutdown).await?;
+    match relay {
+        Running::Rabbitmq(relay) => relay.run_until(shutdown).await?,
+        Running::Nats(relay) => relay.run_until(shutdown).await?,
+    }
     Ok(())
 }
 
-/// Connects to the database and the broker and builds the relay.
-async fn start(
+/// A relay built for one broker or the other.
+enum Running {
+    Rabbitmq(Relay<RabbitMqPublisher>),
+    Nats(Relay<JetStreamPublisher>),
+}
+
+/// The relay's pool, checked against the table (failing fast when it is missing rather
+/// than on the first cycle).
+async fn pool(
     outbox: &Outbox,
     database_url: &SecretUrl,
     args: &RelayArgs,
-) -> Result<diesel_outbox::Relay<RabbitMqPublisher>, Failure> {
+) -> Result<PgPool, Failure> {
     let pool = PgPool::builder()
         .max_size(args.pool_size.max(1))
         .test_on_check_out(false)
@@ -114,10 +179,16 @@ async fn start(
         let mut conn = pool.get().await.map_err(Error::from)?;
         outbox.stats(&mut conn).await?;
     }
-    let publisher = RabbitMqPublisher::builder(args.amqp_url.expose(), &args.exchange)
-        .confirm_timeout(args.confirm_timeout.0)
-        .connect()
-        .await?;
+    Ok(pool)
+}
+
+/// The relay with the command's options.
+fn build<P: Publisher>(
+    outbox: &Outbox,
+    pool: PgPool,
+    publisher: P,
+    args: &RelayArgs,
+) -> Result<Relay<P>, Failure> {
     let mut builder = outbox
         .relay(pool, publisher)
         .batch_size(args.batch_size)

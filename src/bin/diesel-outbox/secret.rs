@@ -107,13 +107,23 @@ mod tests {
                 "events",
                 "--amqp-url",
                 "amqp://relay:mq-pass@mq.internal/%2f",
+                "--nats-url",
+                "nats://relay:nats-pass@nats.internal:4222",
             ])
             .unwrap();
         let secrets = Secrets::of(&matches);
         let message = "cannot reach postgres://app:db-pass@db.internal/app; login failed \
-                       for relay:mq-pass (amqp://relay:mq-pass@mq.internal/%2f); db-pass";
+                       for relay:mq-pass (amqp://relay:mq-pass@mq.internal/%2f); db-pass; \
+                       nats://relay:nats-pass@nats.internal:4222 nats-pass";
         let redacted = secrets.redact(message);
-        for secret in ["db-pass", "mq-pass", "db.internal", "mq.internal"] {
+        for secret in [
+            "db-pass",
+            "mq-pass",
+            "nats-pass",
+            "db.internal",
+            "mq.internal",
+            "nats.internal",
+        ] {
             assert!(!redacted.contains(secret), "{redacted}");
         }
         let cli = crate::Cli::from_arg_matches(&matches).unwrap();
