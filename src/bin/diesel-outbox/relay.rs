@@ -45,7 +45,7 @@ pub(crate) struct RelayArgs {
     /// How long publishes under way may finish on shutdown.
     #[arg(long, default_value_t = Period(defaults::DRAIN_TIMEOUT), allow_hyphen_values = true)]
     pub(crate) drain_timeout: Period,
-    /// Poll only; do not LISTEN for wake-ups (behind a pooler in transaction mode).
+    /// Poll only; do not LISTEN for wake-ups (LISTEN needs a session of its own).
     #[arg(long)]
     without_listen: bool,
     /// Purge sent rows older than this; `off` keeps them.
