@@ -462,3 +462,42 @@ async fn with_the_default_statement_cache_pgbouncer_loses_prepared_statements() 
         "{errors:?}"
     );
 }
+
+#[cfg(feature = "cli")]
+#[tokio::test]
+async fn the_cli_runs_through_pgbouncer_with_no_statement_cache() {
+    const BIN: &str = env!("CARGO_BIN_EXE_diesel-outbox");
+    let bouncer = PgBouncer::start();
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let cli = |args: &[&str], no_statement_cache: &str| {
+        Command::new(BIN)
+            .args(["--table", &table])
+            .args(args)
+            .env("DATABASE_URL", bouncer.url())
+            .env("OUTBOX_NO_STATEMENT_CACHE", no_statement_cache)
+            .output()
+            .expect("run diesel-outbox")
+    };
+    for command in [
+        &["migrate"][..],
+        &["stats"],
+        &["dead"],
+        &["redrive"],
+        &["purge"],
+    ] {
+        let out = cli(command, "true");
+        assert!(
+            out.status.success(),
+            "{command:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = cli(&["stats"], "maybe");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("maybe") && err.contains("--no-statement-cache"),
+        "{err}"
+    );
+}

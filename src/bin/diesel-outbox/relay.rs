@@ -3,7 +3,7 @@
 //! print of payloads and credentials.
 
 use clap::Args;
-use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_outbox::defaults;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Error, Outbox, PgPool};
@@ -72,6 +72,7 @@ pub(crate) struct RelayArgs {
 pub(crate) async fn run(
     outbox: &Outbox,
     database_url: &SecretUrl,
+    no_statement_cache: bool,
     args: RelayArgs,
 ) -> Result<(), Failure> {
     tracing_subscriber::fmt()
@@ -90,7 +91,7 @@ pub(crate) async fn run(
         tracing::info!(%addr, "serving metrics");
     }
     let relay = tokio::select! {
-        relay = start(outbox, database_url, &args) => relay?,
+        relay = start(outbox, database_url, no_statement_cache, &args) => relay?,
         () = shutdown.clone() => return Ok(()),
     };
     relay.run_until(shutdown).await?;
@@ -101,12 +102,20 @@ pub(crate) async fn run(
 async fn start(
     outbox: &Outbox,
     database_url: &SecretUrl,
+    no_statement_cache: bool,
     args: &RelayArgs,
 ) -> Result<diesel_outbox::Relay<RabbitMqPublisher>, Failure> {
+    let mut config = ManagerConfig::default();
+    if no_statement_cache {
+        config.custom_setup = Box::new(diesel_outbox::establish_without_statement_cache);
+    }
     let pool = PgPool::builder()
         .max_size(args.pool_size.max(1))
         .test_on_check_out(false)
-        .build(AsyncDieselConnectionManager::new(database_url.expose()))
+        .build(AsyncDieselConnectionManager::new_with_config(
+            database_url.expose(),
+            config,
+        ))
         .await
         .map_err(|e| Failure::new(CONNECTION, format!("cannot build the pool: {e}")))?;
     // Fail fast when the table is missing rather than on the first cycle.
