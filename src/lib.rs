@@ -49,6 +49,24 @@
 //! configuration only. All SQL text for a table is rendered once, when the `Outbox` is
 //! built; identifiers are validated and quoted, values are always bound parameters.
 //!
+//! # Behind a pooler
+//! A pooler in transaction mode that cannot track prepared statements (PgBouncer before
+//! 1.21) gives each transaction whichever server connection is free, so a statement
+//! prepared on one is unknown on the next ("prepared statement \"s3\" does not exist").
+//! Build the pool for it with [`establish_without_statement_cache`], which turns off
+//! diesel-async's statement cache. diesel-async still prepares each statement under a name
+//! in one exchange and runs it in the next, and outside a transaction the pooler may switch
+//! server connections in between; so through it:
+//! - run [`Outbox::enqueue`], [`Outbox::enqueue_many`] and [`Outbox::dedupe`] in a
+//!   transaction of yours, as they are meant to run anyway (and your own statements too);
+//! - [`Outbox::migrate`] and the operations ([`Outbox::stats`], [`Outbox::dead_letters`],
+//!   [`Outbox::redrive`], [`Outbox::purge_sent`], [`Outbox::purge_inbox`]) open their own
+//!   (a savepoint inside yours);
+//! - keep the relay on a direct connection to PostgreSQL, a pool of its own on the
+//!   server's address: it LISTENs on a dedicated connection from its pool, and not all of
+//!   its statements run in a transaction. [`RelayBuilder::without_listen`] turns the
+//!   LISTEN off (the relay then polls), not the latter.
+//!
 //! # The relay
 //! [`Outbox::relay`] builds a [`Relay`] on a bb8 pool ([`PgPool`]) and a [`Publisher`]
 //! (the RabbitMQ one, or your own through [`publisher_fn`]). It claims due rows in batches
@@ -174,6 +192,7 @@ mod message;
 mod metrics;
 mod ops;
 mod outbox;
+mod pooler;
 mod publisher;
 mod relay;
 pub mod schema;
@@ -191,6 +210,7 @@ pub use crate::metrics::FacadeMetrics;
 pub use crate::metrics::{Consumed, Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{Outbox, OutboxBuilder};
+pub use crate::pooler::establish_without_statement_cache;
 #[cfg(feature = "nats")]
 pub use crate::publisher::nats;
 #[cfg(feature = "rabbitmq")]

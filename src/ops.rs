@@ -1,11 +1,14 @@
 //! Operations: stats, dead letters, redrive and purge, with their statements.
+//!
+//! Each statement runs in a transaction of its own (a savepoint inside the caller's), so
+//! that a pooler in transaction mode prepares and runs it on one server connection.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
@@ -287,12 +290,9 @@ impl Outbox {
             ));
         }
         let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
-        let rows = self
-            .statements()
-            .ops
-            .redrive
-            .bind(Redrive { keys })
-            .load::<KeyRow>(conn)
+        let query = self.statements().ops.redrive.bind(Redrive { keys });
+        let rows = conn
+            .transaction(async |c| query.load::<KeyRow>(c).await)
             .await
             .map_err(|e| self.db_error(e))?;
         let mut keys: Vec<String> = rows.into_iter().map(|r| r.key).collect();
@@ -315,14 +315,11 @@ impl Outbox {
                 "dead_letters: limit must be at least 1",
             ));
         }
-        let rows = self
-            .statements()
-            .ops
-            .dead_letters
-            .bind(DeadLetters {
-                limit: i64::from(limit),
-            })
-            .load::<DeadLetterRow>(conn)
+        let query = self.statements().ops.dead_letters.bind(DeadLetters {
+            limit: i64::from(limit),
+        });
+        let rows = conn
+            .transaction(async |c| query.load::<DeadLetterRow>(c).await)
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(rows.into_iter().map(DeadLetter::from).collect())
@@ -384,9 +381,9 @@ impl Outbox {
         age_us: i64,
         batch: i64,
     ) -> Result<u64> {
-        let n = sql
-            .bind(Purge { age_us, batch })
-            .execute(conn)
+        let query = sql.bind(Purge { age_us, batch });
+        let n = conn
+            .transaction(async |c| query.execute(c).await)
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(n as u64)

@@ -131,8 +131,9 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
-    /// Do not LISTEN for wake-ups: find work by polling only. Use it behind a pooler in
-    /// transaction mode. Defaults to listening on a dedicated connection.
+    /// Do not LISTEN for wake-ups: find work by polling only. Use it where the pool cannot
+    /// give the relay a session of its own, which LISTEN needs. Defaults to listening on a
+    /// dedicated connection.
     pub fn without_listen(mut self) -> Self {
         self.options.listen = false;
         self

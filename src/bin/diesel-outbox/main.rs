@@ -41,6 +41,18 @@ struct Cli {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<SecretUrl>,
 
+    /// Turn off the prepared statement cache, for a pooler in transaction mode that cannot
+    /// track prepared statements (PgBouncer before 1.21). `relay` uses it for its pool too,
+    /// but belongs on a direct connection to PostgreSQL: its LISTEN needs a session of its
+    /// own, which `--without-listen` does without (polling instead).
+    #[arg(
+        long,
+        env = "OUTBOX_NO_STATEMENT_CACHE",
+        global = true,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    no_statement_cache: bool,
+
     /// Outbox table: `name` or `schema.name`.
     #[arg(long, env = "OUTBOX_TABLE", default_value = diesel_outbox::defaults::TABLE, global = true)]
     table: String,
@@ -145,12 +157,16 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
     })?;
     // Every command, the relay too, fails at once on a database it cannot reach, with the
     // cause (the relay's pool would only time out).
-    let mut conn = AsyncPgConnection::establish(url.expose())
-        .await
+    let connecting = if cli.no_statement_cache {
+        diesel_outbox::establish_without_statement_cache(url.expose()).await
+    } else {
+        AsyncPgConnection::establish(url.expose()).await
+    };
+    let mut conn = connecting
         .map_err(|e| Failure::new(CONNECTION, format!("cannot connect to the database: {e}")))?;
     if let Command::Relay(args) = cli.command {
         drop(conn);
-        return relay::run(&outbox, &url, *args).await;
+        return relay::run(&outbox, &url, cli.no_statement_cache, *args).await;
     }
     match cli.command {
         Command::Migrate => schema::migrate(&outbox, &mut conn, &mut output).await,
@@ -268,6 +284,46 @@ mod tests {
                 started.elapsed()
             );
         }
+    }
+
+    #[test]
+    fn no_statement_cache_is_off_by_default_and_takes_boolish_values_only() {
+        let parse = |args: &[&str]| {
+            Cli::command()
+                .try_get_matches_from(["diesel-outbox"].iter().chain(args).copied())
+                .map(|m| Cli::from_arg_matches(&m).unwrap().no_statement_cache)
+        };
+        assert!(!parse(&["stats"]).unwrap());
+        assert!(parse(&["stats", "--no-statement-cache"]).unwrap());
+        assert!(parse(&["--no-statement-cache", "stats"]).unwrap());
+        assert!(parse(&["stats", "--no-statement-cache=yes"]).is_err());
+    }
+
+    #[tokio::test]
+    async fn the_commands_run_without_the_statement_cache() {
+        let schema = unique("cli");
+        let table = format!("{schema}.events");
+        for command in [
+            &["migrate"][..],
+            &["stats"],
+            &["dead"],
+            &["redrive"],
+            &["purge"],
+        ] {
+            let args: Vec<&str> = ["--no-statement-cache", "--table", &table]
+                .into_iter()
+                .chain(command.iter().copied())
+                .collect();
+            let (code, _, err) = cli(&args).await;
+            assert_eq!(code, 0, "{command:?}: {err}");
+        }
+        let mut conn = AsyncPgConnection::establish(&database_url()).await.unwrap();
+        diesel_async::SimpleAsyncConnection::batch_execute(
+            &mut conn,
+            &format!("DROP SCHEMA \"{schema}\" CASCADE"),
+        )
+        .await
+        .unwrap();
     }
 
     #[test]

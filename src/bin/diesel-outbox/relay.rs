@@ -3,7 +3,7 @@
 //! print of payloads and credentials.
 
 use clap::{Args, ValueEnum};
-use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_outbox::defaults;
 use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
@@ -65,7 +65,7 @@ pub(crate) struct RelayArgs {
     /// How long publishes under way may finish on shutdown.
     #[arg(long, default_value_t = Period(defaults::DRAIN_TIMEOUT), allow_hyphen_values = true)]
     pub(crate) drain_timeout: Period,
-    /// Poll only; do not LISTEN for wake-ups (behind a pooler in transaction mode).
+    /// Poll only; do not LISTEN for wake-ups (LISTEN needs a session of its own).
     #[arg(long)]
     without_listen: bool,
     /// Purge sent rows older than this; `off` keeps them.
@@ -93,6 +93,7 @@ pub(crate) struct RelayArgs {
 pub(crate) async fn run(
     outbox: &Outbox,
     database_url: &SecretUrl,
+    no_statement_cache: bool,
     args: RelayArgs,
 ) -> Result<(), Failure> {
     tracing_subscriber::fmt()
@@ -111,7 +112,7 @@ pub(crate) async fn run(
         tracing::info!(%addr, "serving metrics");
     }
     let started = async {
-        let pool = pool(outbox, database_url, &args).await?;
+        let pool = pool(outbox, database_url, no_statement_cache, &args).await?;
         let relay = match args.broker {
             Broker::Rabbitmq => {
                 let (Some(url), Some(exchange)) = (&args.amqp_url, &args.exchange) else {
@@ -166,12 +167,20 @@ enum Running {
 async fn pool(
     outbox: &Outbox,
     database_url: &SecretUrl,
+    no_statement_cache: bool,
     args: &RelayArgs,
 ) -> Result<PgPool, Failure> {
+    let mut config = ManagerConfig::default();
+    if no_statement_cache {
+        config.custom_setup = Box::new(diesel_outbox::establish_without_statement_cache);
+    }
     let pool = PgPool::builder()
         .max_size(args.pool_size.max(1))
         .test_on_check_out(false)
-        .build(AsyncDieselConnectionManager::new(database_url.expose()))
+        .build(AsyncDieselConnectionManager::new_with_config(
+            database_url.expose(),
+            config,
+        ))
         .await
         .map_err(|e| Failure::new(CONNECTION, format!("cannot build the pool: {e}")))?;
     // Fail fast when the table is missing rather than on the first cycle.
