@@ -1,0 +1,252 @@
+//! The NATS JetStream publisher and consumer source against the local nats-server and
+//! PostgreSQL. (Restarting and stopping the server is the fault suite's NATS tier.)
+#![cfg(feature = "nats")]
+
+mod common;
+
+use std::net::ToSocketAddrs;
+use std::time::Duration;
+
+use common::nats::{TestStream, header, nats_url};
+use common::proxy::FaultProxy;
+use common::{DEADLINE, eventually, fixture, spawn_consumer, spawn_relay, stop_relay};
+use diesel::sql_types::{Integer, Text};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::consumer::{Consumer, HandleError, handler_fn, nats};
+use diesel_outbox::nats::JetStreamPublisher;
+use diesel_outbox::{Error, Message};
+
+async fn publisher(url: String, prefix: &str) -> JetStreamPublisher {
+    JetStreamPublisher::builder(url)
+        .subject_prefix(prefix)
+        .ack_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Committed messages go out through JetStream and the consumer runner applies each once,
+/// in order per aggregate; a rolled-back one never goes out; publishing every key again
+/// (as after a crash before the outcome was recorded) stores nothing new.
+#[tokio::test]
+async fn committed_messages_reach_the_consumer_once_and_a_republish_is_stored_once() {
+    let mut f = fixture().await;
+    let stream = TestStream::new().await;
+    stream.durable("invoicing", Duration::from_secs(5)).await;
+    f.conn
+        .batch_execute(&format!(
+            "CREATE TABLE {}.effects (id bigserial PRIMARY KEY, key text NOT NULL, \
+             aggregate text NOT NULL, seq integer NOT NULL)",
+            f.schema.name
+        ))
+        .await
+        .unwrap();
+    for seq in 0..5 {
+        for agg in 0..4 {
+            let payload = serde_json::json!({ "seq": seq });
+            f.enqueue(
+                Message::json("order.updated", &payload)
+                    .unwrap()
+                    .key(format!("a{agg}-{seq}"))
+                    .aggregate_key(format!("a{agg}")),
+            )
+            .await;
+        }
+    }
+    // In a transaction that rolls back.
+    let outbox = f.outbox.clone();
+    let _ = diesel_async::AsyncConnection::transaction(&mut f.conn, async |c| {
+        outbox
+            .enqueue(c, Message::new("order.updated", "x").key("never"))
+            .await?;
+        Err::<(), _>(Error::InvalidMessage("roll back".into()))
+    })
+    .await;
+
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher(nats_url(), &stream.prefix).await)
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+
+    let effects = format!("{}.effects", f.schema.name);
+    let consumer = Consumer::builder(f.outbox.clone(), common::pool(4).await, "invoicing")
+        .source(
+            nats::Source::durable(nats_url(), &stream.name, "invoicing")
+                .subject_prefix(&stream.prefix),
+        )
+        .handler(handler_fn(move |delivery, conn| {
+            let effects = effects.clone();
+            Box::pin(async move {
+                assert_eq!(delivery.topic, "order.updated");
+                assert_eq!(delivery.content_type.as_deref(), Some("application/json"));
+                let body: serde_json::Value = delivery.json().map_err(HandleError::reject)?;
+                diesel::sql_query(format!(
+                    "INSERT INTO {effects} (key, aggregate, seq) VALUES ($1, $2, $3)"
+                ))
+                .bind::<Text, _>(&delivery.key)
+                .bind::<Text, _>(delivery.aggregate_key.clone().unwrap_or_default())
+                .bind::<Integer, _>(body["seq"].as_i64().unwrap_or(-1) as i32)
+                .execute(conn)
+                .await
+                .map_err(HandleError::retry)?;
+                Ok(())
+            })
+        }))
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let (stop_consumer, consuming) = spawn_consumer(consumer);
+
+    f.wait_rows("status = 'sent'", 20).await;
+    #[derive(diesel::QueryableByName)]
+    struct Effect {
+        #[diesel(sql_type = Text)]
+        key: String,
+        #[diesel(sql_type = Text)]
+        aggregate: String,
+        #[diesel(sql_type = Integer)]
+        seq: i32,
+    }
+    let sql = format!(
+        "SELECT key, aggregate, seq FROM {}.effects ORDER BY id",
+        f.schema.name
+    );
+    let effects: Vec<Effect> = eventually(DEADLINE, "20 effects", || {
+        let sql = sql.clone();
+        let pool = f.pool.clone();
+        async move {
+            let mut conn = pool.get().await.unwrap();
+            let effects: Vec<Effect> = diesel::sql_query(sql).load(&mut conn).await.unwrap();
+            (effects.len() >= 20).then_some(effects)
+        }
+    })
+    .await;
+    assert!(effects.iter().all(|e| e.key != "never"));
+    for agg in 0..4 {
+        let seqs: Vec<i32> = effects
+            .iter()
+            .filter(|e| e.aggregate == format!("a{agg}"))
+            .map(|e| e.seq)
+            .collect();
+        assert_eq!(seqs, [0, 1, 2, 3, 4], "aggregate a{agg} in order");
+    }
+    assert_eq!(stream.stored().await, 20);
+
+    // Everything published again, within the stream's duplicate window.
+    f.conn
+        .batch_execute(&format!(
+            "UPDATE {} SET status = 'pending', available_at = now(), sent_at = NULL",
+            f.outbox.table()
+        ))
+        .await
+        .unwrap();
+    f.wait_rows("status = 'sent' AND attempts = 2", 20).await;
+    assert_eq!(
+        stream.stored().await,
+        20,
+        "JetStream dropped every duplicate"
+    );
+    stop_relay(stop, task).await;
+    stop_relay(stop_consumer, consuming).await;
+    let mut conn = f.pool.get().await.unwrap();
+    let again: Vec<Effect> = diesel::sql_query(sql).load(&mut conn).await.unwrap();
+    assert_eq!(again.len(), 20, "no effect applied twice");
+}
+
+/// The server out of reach for ten times `max_attempts × backoff max`: nothing becomes a
+/// dead letter, no attempt is spent, `stats` shows the relay blocked, and the backlog goes
+/// out once the server is back, every message on its first attempt.
+#[tokio::test]
+async fn an_outage_spends_no_attempts_and_the_backlog_drains_when_the_server_is_back() {
+    let mut f = fixture().await;
+    let stream = TestStream::new().await;
+    let upstream = nats_url()
+        .trim_start_matches("nats://")
+        .to_socket_addrs()
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    let publisher = publisher(format!("nats://{}", proxy.addr), &stream.prefix).await;
+    let (max_attempts, backoff_max) = (2, Duration::from_millis(100));
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .max_attempts(max_attempts)
+        .backoff(Duration::from_millis(10), backoff_max)
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+
+    proxy.set_down(true);
+    proxy.cut();
+    for i in 0..30 {
+        f.enqueue(Message::new("t", "x").key(format!("k{i:02}")))
+            .await;
+    }
+    let outage = 10 * max_attempts * backoff_max;
+    let down_until = tokio::time::Instant::now() + outage;
+    let mut blocked_seen = false;
+    while tokio::time::Instant::now() < down_until {
+        let stats = f.outbox.stats(&mut f.conn).await.unwrap();
+        blocked_seen |= stats.blocked_for.is_some();
+        assert_eq!(stats.dead, 0, "a dead letter during the outage");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(f.count("status = 'dead' OR attempts > 0").await, 0);
+    assert!(blocked_seen, "stats never showed the relay blocked");
+
+    proxy.set_down(false);
+    f.wait_rows("status = 'sent' AND attempts = 1", 30).await;
+    stop_relay(stop, task).await;
+    assert_eq!(stream.stored().await, 30);
+    for m in stream.messages().await {
+        assert_eq!(header(&m, "x-outbox-attempt"), Some("1"));
+    }
+}
+
+/// No stream captures the subjects: an outage, not the messages' fault. Once the stream
+/// exists, everything goes out on its first attempt.
+#[tokio::test]
+async fn no_stream_is_an_outage_until_one_exists() {
+    let mut f = fixture().await;
+    let prefix = format!("{}.", common::unique("later"));
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher(nats_url(), &prefix).await)
+        .max_attempts(1)
+        .build()
+        .unwrap();
+    for i in 0..5 {
+        f.enqueue(Message::new("t", "x").key(format!("k{i}"))).await;
+    }
+    for _ in 0..3 {
+        relay.run_once().await.unwrap();
+    }
+    assert_eq!(f.count("status = 'pending' AND attempts = 0").await, 5);
+
+    let client = common::nats::connect().await;
+    let js = async_nats::jetstream::new(client);
+    let name = prefix.trim_end_matches('.').to_uppercase();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{prefix}>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let sent = eventually(DEADLINE, "the backlog to go out", || async {
+        let _ = relay.run_once().await;
+        let mut conn = f.schema.connect().await;
+        let stats = f.outbox.stats(&mut conn).await.unwrap();
+        (stats.sent == 5).then_some(stats)
+    })
+    .await;
+    let _ = js.delete_stream(&name).await;
+    assert_eq!(sent.dead, 0);
+    assert_eq!(f.count("status = 'sent' AND attempts = 1").await, 5);
+}
