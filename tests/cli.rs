@@ -117,6 +117,81 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
     assert_eq!(stats["sent"], 5);
 }
 
+/// `--broker nats`: the same relay process, publishing to JetStream under a subject prefix.
+#[tokio::test]
+async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
+    use common::nats::{TestStream, header, nats_url};
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let stream = TestStream::new().await;
+    let url = nats_url().replacen("nats://", "nats://relay:s3cret@", 1);
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "relay", "--broker", "nats"])
+        .args([
+            "--subject-prefix",
+            &stream.prefix,
+            "--poll-interval",
+            "100ms",
+        ])
+        .env("DATABASE_URL", database_url())
+        .env("NATS_URL", &url)
+        .env_remove("AMQP_URL")
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    for i in 0..5 {
+        outbox
+            .enqueue(
+                &mut conn,
+                Message::new("cli.test", "x").key(format!("k{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    common::eventually(
+        Duration::from_secs(30),
+        "5 messages in the stream",
+        || async { (stream.stored().await == 5).then_some(()) },
+    )
+    .await;
+    let mut keys: Vec<String> = stream
+        .messages()
+        .await
+        .iter()
+        .map(|m| {
+            assert_eq!(m.subject.as_str(), format!("{}cli.test", stream.prefix));
+            header(m, "Nats-Msg-Id").unwrap().to_owned()
+        })
+        .collect();
+    keys.sort();
+    assert_eq!(keys, ["k0", "k1", "k2", "k3", "k4"]);
+    let status = terminate(&mut relay).await;
+    assert!(status.success(), "exit {status:?}");
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut relay.stderr.take().unwrap(), &mut log).unwrap();
+    assert!(log.contains("relay stopped"), "{log}");
+    assert!(
+        !log.contains("s3cret"),
+        "no credentials in logs, even at debug"
+    );
+
+    // Without a URL: a usage error that says what is missing.
+    let out = Command::new(BIN)
+        .args(["--table", &table, "relay", "--broker", "nats"])
+        .env("DATABASE_URL", database_url())
+        .env_remove("NATS_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--nats-url"), "{err}");
+}
+
 #[tokio::test]
 async fn dead_lists_a_dead_letter_and_redrive_brings_it_back() {
     let schema = TestSchema::new().await;
