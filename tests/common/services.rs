@@ -393,7 +393,15 @@ async fn keep<I: Image>(
             let _ = started.send(DockerStart::Failed(e.to_string()));
         }
     }
-    let _ = container.rm().await;
+    // Dropped instead, the container stays under `TESTCONTAINERS_COMMAND=keep`.
+    if !keeps_containers() {
+        let _ = container.rm().await;
+    }
+}
+
+/// Whether `TESTCONTAINERS_COMMAND=keep` asks to keep every container.
+fn keeps_containers() -> bool {
+    std::env::var("TESTCONTAINERS_COMMAND").is_ok_and(|c| c.trim() == "keep")
 }
 
 /// Tells "no Docker engine answered" (no socket; a socket, or a TCP address, nobody listens
@@ -474,7 +482,7 @@ pub fn spawn_reaper(mut command: Command) -> std::io::Result<Child> {
 /// Hands container `id` to this process's reaper (spawned by the first call).
 fn watch(id: &str) {
     static REAPER: Mutex<Option<ChildStdin>> = Mutex::new(None);
-    if std::env::var("TESTCONTAINERS_COMMAND").is_ok_and(|c| c.trim() == "keep") {
+    if keeps_containers() {
         return;
     }
     let mut reaper = REAPER.lock().unwrap_or_else(PoisonError::into_inner);
