@@ -6,8 +6,9 @@
 //! cargo run --example quickstart --features rabbitmq
 //! ```
 //!
-//! Uses `DATABASE_URL` (default: the local `test` database) and `AMQP_URL` (default: the
-//! local broker). Creates its own tables (`quickstart_*`), exchange and queue.
+//! Finds PostgreSQL and RabbitMQ as the tests do: `DATABASE_URL` and `AMQP_URL`, else the
+//! local servers on 127.0.0.1, else containers in Docker, removed when it ends. Creates its
+//! own tables (`quickstart_*`), exchange and queue.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,6 +27,9 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+#[path = "../tests/common/services.rs"]
+mod services;
 
 const EXCHANGE: &str = "quickstart";
 const QUEUE: &str = "quickstart.invoicing";
@@ -50,10 +54,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .init();
-    let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let amqp_url = std::env::var("AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    // Containers started for want of a server are removed when `_containers` drops.
+    let (_containers, [database_url, amqp_url]) =
+        services::urls([services::Service::Postgres, services::Service::RabbitMq])?;
 
     // Tables: the business table and the outbox, created fresh on every run.
     let outbox = Outbox::builder().table("quickstart_outbox").build()?;

@@ -7,9 +7,10 @@
 //! ```
 //!
 //! One file per scenario, named by what it measures; `fixture` holds what they run on and
-//! `measure` how CPU, memory and percentiles are taken. Uses `DATABASE_URL` and `AMQP_URL`
-//! (local defaults), through the tests' own fixtures. Prints one JSON line per figure as it
-//! is measured, then a table.
+//! `measure` how CPU, memory and percentiles are taken. Finds PostgreSQL and RabbitMQ as the
+//! tests do (`tests/common/services.rs`: `DATABASE_URL` and `AMQP_URL`, else the local
+//! servers, else containers in Docker, removed when the run ends) and uses the tests' own
+//! fixtures. Prints one JSON line per figure as it is measured, then a table.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 #[path = "../../tests/common/mod.rs"]
@@ -113,13 +114,18 @@ pub(crate) const KIB: usize = 1024;
 #[tokio::main]
 async fn main() -> BoxResult<()> {
     let args = Args::parse();
+    // Containers started for want of a server are removed when `_containers` drops.
+    let (_containers, [database_url, amqp_url]) = common::services::urls([
+        common::services::Service::Postgres,
+        common::services::Service::RabbitMq,
+    ])?;
     // Dropped (with every table in it) when the run ends, however it ends.
     let schema = common::TestSchema::new().await;
     let amqp = common::broker::connect().await;
     let channel = amqp.create_channel().await?;
     let mut env = Env {
-        database_url: common::database_url(),
-        amqp_url: common::broker::amqp_url(),
+        database_url,
+        amqp_url,
         schema: schema.name.clone(),
         conn: common::connect().await,
         pool: common::pool(8).await,

@@ -11,10 +11,10 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
 
-pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
+/// RabbitMQ's URL ([`super::services`]; panics, saying what to start or set, if there is
+/// none).
 pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned())
+    super::services::url(super::services::Service::RabbitMq)
 }
 
 /// `amqp_url()` with its host and port replaced (to go through a proxy).

@@ -1,7 +1,7 @@
 //! Shared test fixtures: the environment contract and per-test isolation.
 //!
-//! Tests use `DATABASE_URL` (default: the local `test` database) and `AMQP_URL` (default:
-//! the local broker). Each test works in a schema of its own, dropped when the fixture
+//! Tests find PostgreSQL, RabbitMQ and NATS through [`services`]: `DATABASE_URL`, `AMQP_URL`
+//! and `NATS_URL`, else the local defaults, else containers in Docker. Each test works in a schema of its own, dropped when the fixture
 //! drops, so tests run in parallel and repeatedly without seeing each other's rows.
 #![allow(dead_code, unreachable_pub)]
 
@@ -9,10 +9,14 @@ use std::time::{Duration, Instant};
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
+/// PostgreSQL's URL ([`services`]; panics, saying what to start or set, if there is none).
 pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
+    services::url(services::Service::Postgres)
+}
+
+/// NATS's URL ([`services`]; panics, saying what to start or set, if there is none).
+pub fn nats_url() -> String {
+    services::url(services::Service::Nats)
 }
 
 /// Connects, or fails with a message that says what to start.
@@ -281,3 +285,4 @@ pub mod fakes;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod proxy;
+pub mod services;

@@ -6,11 +6,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, stream};
 use futures_util::StreamExt;
 
-pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
-
-pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| DEFAULT_NATS_URL.to_owned())
-}
+pub use super::nats_url;
 
 pub async fn connect() -> async_nats::Client {
     match async_nats::connect(nats_url()).await {
