@@ -20,6 +20,7 @@ use crate::{BoxResult, KIB};
 pub(crate) struct Env {
     pub(crate) database_url: String,
     pub(crate) amqp_url: String,
+    pub(crate) nats_url: String,
     pub(crate) schema: String,
     pub(crate) conn: AsyncPgConnection,
     pub(crate) pool: PgPool,

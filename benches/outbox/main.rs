@@ -7,10 +7,10 @@
 //! ```
 //!
 //! One file per scenario, named by what it measures; `fixture` holds what they run on and
-//! `measure` how CPU, memory and percentiles are taken. Finds PostgreSQL and RabbitMQ as the
-//! tests do (`tests/common/services.rs`: `DATABASE_URL` and `AMQP_URL`, else the local
-//! servers, else containers in Docker, removed when the run ends) and uses the tests' own
-//! fixtures. Prints one JSON line per figure as it is measured, then a table.
+//! `measure` how CPU, memory and percentiles are taken. Finds PostgreSQL, RabbitMQ and NATS
+//! as the tests do (`tests/common/services.rs`: `DATABASE_URL`, `AMQP_URL` and `NATS_URL`,
+//! else the local servers, else containers in Docker, removed when the run ends) and uses
+//! the tests' own fixtures. Prints one JSON line per figure as it is measured, then a table.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 #[path = "../../tests/common/mod.rs"]
@@ -19,6 +19,7 @@ mod consumer;
 mod enqueue_cost;
 mod fixture;
 mod history;
+mod jetstream;
 mod latency;
 mod measure;
 mod one_aggregate;
@@ -73,6 +74,9 @@ enum Scenario {
     /// (j) the consumer runner against a hand-written consumer.
     #[value(alias = "j")]
     Consumer,
+    /// (k) the relay to NATS JetStream against raw async-nats.
+    #[value(alias = "k")]
+    Jetstream,
 }
 
 /// One measured figure beside its same-run baseline.
@@ -115,9 +119,10 @@ pub(crate) const KIB: usize = 1024;
 async fn main() -> BoxResult<()> {
     let args = Args::parse();
     // Containers started for want of a server are removed when `_containers` drops.
-    let (_containers, [database_url, amqp_url]) = common::services::urls([
+    let (_containers, [database_url, amqp_url, nats_url]) = common::services::urls([
         common::services::Service::Postgres,
         common::services::Service::RabbitMq,
+        common::services::Service::Nats,
     ])?;
     // Dropped (with every table in it) when the run ends, however it ends.
     let schema = common::TestSchema::new().await;
@@ -126,6 +131,7 @@ async fn main() -> BoxResult<()> {
     let mut env = Env {
         database_url,
         amqp_url,
+        nats_url,
         schema: schema.name.clone(),
         conn: common::connect().await,
         pool: common::pool(8).await,
@@ -157,6 +163,9 @@ async fn main() -> BoxResult<()> {
         }
         if run(Scenario::Consumer) {
             figures.extend(consumer::consumer(&mut env).await?);
+        }
+        if run(Scenario::Jetstream) {
+            figures.extend(jetstream::jetstream(&mut env).await?);
         }
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     }

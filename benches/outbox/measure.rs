@@ -4,7 +4,7 @@ use serde_json::json;
 
 use crate::round;
 
-/// CPU seconds used so far by the broker, the database server and this process (and one
+/// CPU seconds used so far by the brokers (RabbitMQ and nats-server), the database server and this process (and one
 /// more process, if given), to show what limits a figure.
 pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
     let ticks = |pid: &str| -> f64 {
@@ -27,7 +27,7 @@ pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
             }
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
             match comm.trim() {
-                "beam.smp" => by_name[0] += ticks(&pid),
+                "beam.smp" | "nats-server" => by_name[0] += ticks(&pid),
                 "postgres" => by_name[1] += ticks(&pid),
                 _ => {}
             }
