@@ -69,7 +69,7 @@
 //!
 //! # The relay
 //! [`Outbox::relay`] builds a [`Relay`] on a bb8 pool ([`PgPool`]) and a [`Publisher`]
-//! (the RabbitMQ one, or your own through [`publisher_fn`]). It claims due rows in batches
+//! (the RabbitMQ or NATS JetStream one, or your own through [`publisher_fn`]). It claims due rows in batches
 //! (up to `batch_size` rows and `max_batch_bytes` of payload and headers) under a lease,
 //! publishes them outside any transaction and holding no connection, and records each
 //! batch's outcomes in one statement: sent; retried after a capped exponential backoff with
@@ -95,7 +95,8 @@
 //! - **A row that cannot be decoded** (headers that are not a JSON object of strings or
 //!   that serde cannot hold, such as `1e400`; an enqueue time such as `infinity`) dies
 //!   alone with its reason; so does a row the broker cannot take (for RabbitMQ: a header
-//!   frame over `frame_max`, a `CC` or `BCC` header).
+//!   frame over `frame_max`, a `CC` or `BCC` header; for NATS: a subject or header NATS
+//!   refuses, a message over `max_payload`).
 //! - **A row that keeps crashing or hanging relays** goes dead once claimed more than
 //!   `max_attempts` times without an outcome.
 //! - **The broker out of reach** ([`PublishError::unavailable`]) is nobody's message's

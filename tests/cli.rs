@@ -336,6 +336,13 @@ fn bad_urls_and_missing_tables_have_their_own_exit_codes_and_hide_passwords() {
 /// password (lapin logs the login frame at trace, amq-protocol the URL).
 #[tokio::test]
 async fn the_relay_at_trace_logs_no_payload_and_no_password() {
+    // It adds a RabbitMQ user with the local broker's own tool.
+    if !common::services::local_tools_for(
+        "the_relay_at_trace_logs_no_payload_and_no_password",
+        &[common::services::Service::RabbitMq],
+    ) {
+        return;
+    }
     let schema = TestSchema::new().await;
     let table = schema.table("outbox");
     let outbox = Outbox::builder().table(&table).build().unwrap();

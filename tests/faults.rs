@@ -84,6 +84,9 @@ struct Tier {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fault_suite_ci_tier() {
+    if !local_tools("fault_suite_ci_tier", Kind::RabbitMq) {
+        return;
+    }
     let _serial = SERIAL.lock().await;
     run(Kind::RabbitMq, ci_tier()).await;
 }
@@ -92,8 +95,22 @@ async fn fault_suite_ci_tier() {
 /// `max_attempts × backoff max`; nothing is lost and nothing but the poison dies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fault_suite_ci_tier_nats() {
+    if !local_tools("fault_suite_ci_tier_nats", Kind::Nats) {
+        return;
+    }
     let _serial = SERIAL.lock().await;
     run(Kind::Nats, ci_tier()).await;
+}
+
+/// Whether the servers this test restarts are the local ones (not containers, which their
+/// tools cannot drive); says why it is skipped if not.
+fn local_tools(test: &str, kind: Kind) -> bool {
+    use common::services::Service;
+    let broker = match kind {
+        Kind::RabbitMq => Service::RabbitMq,
+        Kind::Nats => Service::Nats,
+    };
+    common::services::local_tools_for(test, &[Service::Postgres, broker])
 }
 
 fn ci_tier() -> Tier {
@@ -110,6 +127,9 @@ fn ci_tier() -> Tier {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "long tier (about 20 minutes): cargo test --release --all-features --test faults -- --ignored"]
 async fn fault_suite_long_tier() {
+    if !local_tools("fault_suite_long_tier", Kind::RabbitMq) {
+        return;
+    }
     let _serial = SERIAL.lock().await;
     run(Kind::RabbitMq, long_tier()).await;
 }
@@ -117,6 +137,9 @@ async fn fault_suite_long_tier() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "long tier (about 20 minutes): cargo test --release --all-features --test faults -- --ignored"]
 async fn fault_suite_long_tier_nats() {
+    if !local_tools("fault_suite_long_tier_nats", Kind::Nats) {
+        return;
+    }
     let _serial = SERIAL.lock().await;
     run(Kind::Nats, long_tier()).await;
 }
@@ -1255,6 +1278,9 @@ impl Drop for Watermark {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_blocked_by_a_resource_alarm_spends_no_attempts() {
     use diesel_outbox::rabbitmq::RabbitMqPublisher;
+    if !local_tools("a_connection_blocked_by_a_resource_alarm", Kind::RabbitMq) {
+        return;
+    }
     let _serial = SERIAL.lock().await;
     let schema = TestSchema::new().await;
     let outbox = Outbox::builder()

@@ -225,14 +225,45 @@ pub fn answers(addr: SocketAddr) -> bool {
     TcpStream::connect_timeout(&addr, LOCAL_TIMEOUT).is_ok()
 }
 
+/// Where each service was found, once it was.
+static ORIGINS: [OnceLock<Origin>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+
+fn index(service: Service) -> usize {
+    Service::ALL
+        .iter()
+        .position(|s| *s == service)
+        .expect("a service")
+}
+
+/// Whether `service` runs in a container this process started. Tests that drive the local
+/// servers' own tools (`pg_ctlcluster`, `rabbitmqctl`, `start-stop-daemon`) cannot run
+/// against one.
+pub fn in_docker(service: Service) -> bool {
+    try_url(service).is_ok() && ORIGINS[index(service)].get() == Some(&Origin::Docker)
+}
+
+/// True, or false after saying on stderr why `test` is skipped, when any service it
+/// drives with the local servers' own tools runs in a container.
+pub fn local_tools_for(test: &str, services: &[Service]) -> bool {
+    match services.iter().find(|s| in_docker(**s)) {
+        None => true,
+        Some(s) => {
+            eprintln!(
+                "{test}: skipped: it drives the local {} with its own tools, and {} runs in \
+                 a container here",
+                s.name(),
+                s.name()
+            );
+            false
+        }
+    }
+}
+
 /// `service`'s URL, found once per process in the order of the module docs.
 pub fn try_url(service: Service) -> Result<String, Unavailable> {
     static FOUND: [OnceLock<Result<String, Unavailable>>; 3] =
         [OnceLock::new(), OnceLock::new(), OnceLock::new()];
-    let index = Service::ALL
-        .iter()
-        .position(|s| *s == service)
-        .expect("a service");
+    let index = index(service);
     FOUND[index]
         .get_or_init(|| {
             let found = choose(
@@ -241,6 +272,7 @@ pub fn try_url(service: Service) -> Result<String, Unavailable> {
                 || answers(service.local_addr()),
                 || start_in_docker(service),
             )?;
+            let _ = ORIGINS[index].set(found.origin);
             if found.origin == Origin::Docker {
                 eprintln!(
                     "{}: {} is not set and nothing answers at {}: started {} in Docker, at {}",
