@@ -139,7 +139,7 @@ async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
         .env("DATABASE_URL", database_url())
         .env("NATS_URL", &url)
         .env_remove("AMQP_URL")
-        .env("RUST_LOG", "debug")
+        .env("RUST_LOG", "trace")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -177,7 +177,7 @@ async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
     assert!(log.contains("relay stopped"), "{log}");
     assert!(
         !log.contains("s3cret"),
-        "no credentials in logs, even at debug"
+        "no credentials in logs, even at trace"
     );
 
     // Without a URL: a usage error that says what is missing.

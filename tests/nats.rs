@@ -229,16 +229,8 @@ async fn no_stream_is_an_outage_until_one_exists() {
     }
     assert_eq!(f.count("status = 'pending' AND attempts = 0").await, 5);
 
-    let client = common::nats::connect().await;
-    let js = async_nats::jetstream::new(client);
-    let name = prefix.trim_end_matches('.').to_uppercase();
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: name.clone(),
-        subjects: vec![format!("{prefix}>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    // The stream, created now, for the subjects the relay has been publishing to.
+    let stream = TestStream::for_prefix(&prefix).await;
     let sent = eventually(DEADLINE, "the backlog to go out", || async {
         let _ = relay.run_once().await;
         let mut conn = f.schema.connect().await;
@@ -246,7 +238,37 @@ async fn no_stream_is_an_outage_until_one_exists() {
         (stats.sent == 5).then_some(stats)
     })
     .await;
-    let _ = js.delete_stream(&name).await;
+    drop(stream);
     assert_eq!(sent.dead, 0);
     assert_eq!(f.count("status = 'sent' AND attempts = 1").await, 5);
+}
+
+/// What the stream answers decides the kind: a full stream (discard-new) takes nothing, an
+/// outage; a message over the stream's size limit can never go, a permanent failure.
+#[tokio::test]
+async fn a_full_stream_is_an_outage_and_a_message_over_its_size_is_permanent() {
+    use diesel_outbox::{Publisher, Record};
+    let stream = TestStream::with(|mut config| {
+        config.max_messages = 1;
+        config.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+        config.max_message_size = 2048;
+        config
+    })
+    .await;
+    let publisher = publisher(nats_url(), &stream.prefix).await;
+    publisher
+        .publish(&Record::new("k1", "t", "x"))
+        .await
+        .unwrap();
+    let full = publisher
+        .publish(&Record::new("k2", "t", "x"))
+        .await
+        .unwrap_err();
+    assert!(full.is_unavailable(), "{full}");
+    let big = publisher
+        .publish(&Record::new("k3", "t", vec![b'x'; 4096]))
+        .await
+        .unwrap_err();
+    assert!(big.is_permanent(), "{big}");
+    assert_eq!(stream.stored().await, 1);
 }

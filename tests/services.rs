@@ -266,16 +266,36 @@ fn fake_docker(dir: &Path) -> (String, PathBuf) {
     (path, log)
 }
 
-/// What the fake docker logged, once it has (or "" after a few seconds).
+/// What the fake docker logged, once it wrote a whole line (or what is there after a few
+/// seconds).
 fn logged(log: &Path) -> String {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if let Ok(text) = std::fs::read_to_string(log) {
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.ends_with('\n') || Instant::now() > deadline {
             return text;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    String::new()
+}
+
+/// Waits until process `pid` ignores SIGINT (the reaper's `trap` ran).
+fn ignores_sigint(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let ignored = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigIgn:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            .unwrap_or(0);
+        // SIGINT is signal 2: bit 1.
+        if ignored & (1 << 1) != 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the reaper never ignored SIGINT");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 #[test]
@@ -289,6 +309,7 @@ fn the_reaper_removes_the_ids_it_was_given_when_its_input_closes() {
     writeln!(stdin, "c1").unwrap();
     writeln!(stdin, "c2").unwrap();
     // Ctrl-C reaches the whole process group: the reaper outlives it.
+    ignores_sigint(reaper.id());
     let status = Command::new("kill")
         .args(["-INT", &reaper.id().to_string()])
         .status()

@@ -14,7 +14,14 @@
 //! terminated messages by consuming the advisory, or give the consumer a `max_deliver`).
 //! Messages handed out and not settled when the source closes are redelivered once the
 //! JetStream consumer's `ack_wait` passes. The durable consumer must exist, as a pull
-//! consumer with explicit acks: create it in your deployment or at start-up. The
+//! consumer with explicit acks: create it in your deployment or at start-up.
+//!
+//! Hazards: the client pulls ahead (a new batch of the runner's concurrency once half the
+//! last one is handed out), so up to about one and a half times the concurrency waits in
+//! the client beyond what the runner handles; their `ack_wait` runs meanwhile. Give the
+//! durable consumer an `ack_wait` longer than the runner's `handler_timeout` plus that
+//! wait, and a `max_ack_pending` of the runner's concurrency to bound it; with a
+//! `max_deliver`, a message redelivered that often is dropped by JetStream. The
 //! connection is reopened by itself after a loss; credentials never appear in its `Debug`
 //! output, its errors or its logs.
 

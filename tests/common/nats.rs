@@ -36,11 +36,22 @@ impl TestStream {
 
     /// A stream whose configuration `tune` adjusts (limits, say).
     pub async fn with(tune: impl FnOnce(stream::Config) -> stream::Config) -> TestStream {
+        let id = super::unique("s");
+        Self::create(format!("{id}."), tune).await
+    }
+
+    /// A stream capturing `prefix` (which ends with a dot) + `>`.
+    pub async fn for_prefix(prefix: &str) -> TestStream {
+        Self::create(prefix.to_owned(), |config| config).await
+    }
+
+    async fn create(
+        prefix: String,
+        tune: impl FnOnce(stream::Config) -> stream::Config,
+    ) -> TestStream {
         let client = connect().await;
         let jetstream = jetstream::new(client.clone());
-        let id = super::unique("s");
-        let name = id.to_uppercase();
-        let prefix = format!("{id}.");
+        let name = prefix.trim_end_matches('.').to_uppercase();
         let config = tune(stream::Config {
             name: name.clone(),
             subjects: vec![format!("{prefix}>")],

@@ -221,10 +221,12 @@ fn build<P: Publisher>(
 
 /// Targets of dependencies that log payloads or credentials, and the most they may log:
 /// lapin logs returned messages (payload included) at warn and every frame (the login's
-/// password included) at trace; amq-protocol logs the broker URL at trace; tokio-postgres
+/// password included) at trace; async-nats logs its handshake (credentials included) at
+/// trace; amq-protocol logs the broker URL at trace; tokio-postgres
 /// logs bound parameters (payloads) at debug.
 const QUIET: &[(&str, &str)] = &[
     ("lapin", "error"),
+    ("async_nats", "debug"),
     ("amq_protocol", "info"),
     ("tokio_postgres", "info"),
 ];

@@ -12,11 +12,12 @@
 //! A claimed batch is pipelined: every record is sent, then every acknowledgement awaited,
 //! the whole batch within the ack timeout. An error the stream gives about one message is a
 //! transient failure (retried, then dead-lettered); no acknowledgement in time on a healthy
-//! connection is one too.
+//! connection is one too. A message over the stream's own size limits fails permanently.
 //!
 //! The server being out of reach is not a message's fault: no stream for the subject, no
-//! responders, the client not connected, or the connection lost while acknowledgements
-//! were awaited are reported as [`PublishError::unavailable`], and the relay releases those
+//! responders, the client not connected, the connection lost while acknowledgements were
+//! awaited, or a stream that takes nothing now (full with discard-new, out of storage,
+//! JetStream disabled) are reported as [`PublishError::unavailable`], and the relay releases those
 //! records without spending their attempts. The client reconnects by itself, for ever.
 //!
 //! Before anything is sent, each record is checked against what NATS takes, and fails
@@ -31,6 +32,10 @@
 //! Credentials in the URL (`nats://user:password@host` or `nats://token@host`) are handed
 //! to async-nats as options, never inside the server addresses it logs; they never appear
 //! in the publisher's `Debug` output, its errors or its logs.
+//!
+//! Hazard: async-nats itself logs the connection handshake, credentials included, at
+//! `trace` level under the `async_nats` target. Filter that target (`async_nats=debug`, as
+//! the `diesel-outbox` binary does) wherever credentials must not reach the logs.
 //!
 //! Inside: `connection` (the URL and its credentials, connecting, lost connections),
 //! `properties` (a record as a NATS message, and the checks of what NATS takes),
@@ -51,6 +56,9 @@ pub(crate) use self::connection::{Servers, connected};
 pub(crate) use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
 use crate::error::{Error, Result};
 use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
+
+/// Far above what the relay ever has in flight (pipelined batches of at most 10,000).
+const MAX_ACK_INFLIGHT: usize = 1 << 20;
 
 /// Publishes records to NATS JetStream, awaiting each stream acknowledgement; see the
 /// [module docs](self).
@@ -163,8 +171,11 @@ impl JetStreamPublisherBuilder {
             .await
             .map_err(|why| Error::Publish(PublishError::unavailable(why).into()))?;
         tracing::info!(endpoint = %servers.endpoint, "connected to NATS");
+        // No limit of the client's on acknowledgements awaited: a batch sends all its
+        // records before it awaits any, and the relay bounds what is in flight.
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(self.ack_timeout)
+            .max_ack_inflight(MAX_ACK_INFLIGHT)
             .build(client.clone());
         Ok(JetStreamPublisher {
             endpoint: servers.endpoint,

@@ -5,6 +5,7 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use tokio::time::Instant;
 
+use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage;
 
@@ -12,6 +13,30 @@ use super::JetStreamPublisher;
 use super::connection::connected;
 use super::properties::outgoing;
 use crate::publisher::{PublishError, Record};
+
+/// Errors after which the stream takes no message at all, whichever it is.
+const STREAM_TAKES_NOTHING: &[ErrorCode] = &[
+    ErrorCode::STREAM_STORE_FAILED,
+    ErrorCode::STORAGE_RESOURCES_EXCEEDED,
+    ErrorCode::MEMORY_RESOURCES_EXCEEDED,
+    ErrorCode::INSUFFICIENT_RESOURCES,
+    ErrorCode::ACCOUNT_RESOURCES_EXCEEDED,
+    ErrorCode::JETSTREAM_NOT_ENABLED,
+    ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
+];
+
+/// Errors about a message the stream can never take (its size limits).
+const NEVER_TAKES_THIS: &[ErrorCode] = &[
+    ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM,
+    ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM,
+];
+
+/// The JetStream error code the server answered with, if it answered with one.
+fn server_error_code(err: &async_nats::jetstream::context::PublishError) -> Option<ErrorCode> {
+    std::error::Error::source(err)?
+        .downcast_ref::<async_nats::jetstream::Error>()
+        .map(|e| e.error_code())
+}
 
 impl JetStreamPublisher {
     /// Sends every record, then awaits every acknowledgement; the whole batch within the
@@ -124,7 +149,8 @@ impl JetStreamPublisher {
     }
 
     /// What a failed publish says: an outage (no stream, no responders, the connection
-    /// gone), a message the server can never take, or a per-message error.
+    /// gone, a stream that takes nothing now), a message the stream can never take, or a
+    /// per-message error.
     fn failed(
         &self,
         err: &async_nats::jetstream::context::PublishError,
@@ -146,10 +172,27 @@ impl JetStreamPublisher {
             PublishErrorKind::MaxPayloadExceeded => {
                 PublishError::permanent(format!("subject {subject:?}: {err}"))
             }
-            // A closed client (its sender gone) is nobody's message's fault either.
-            PublishErrorKind::Other if !connected(&self.client) => PublishError::unavailable(
-                format!("NATS at {} is not connected: {err}", self.endpoint),
-            ),
+            PublishErrorKind::Other => match server_error_code(err) {
+                // The stream takes nothing now (full with discard-new, out of storage,
+                // JetStream off): not about this message.
+                Some(code) if STREAM_TAKES_NOTHING.contains(&code) => {
+                    PublishError::unavailable(format!(
+                        "the stream for subject {subject:?} on NATS at {} takes no message: \
+                         {err}",
+                        self.endpoint
+                    ))
+                }
+                // Over the stream's own size limits: it can never take this one.
+                Some(code) if NEVER_TAKES_THIS.contains(&code) => {
+                    PublishError::permanent(format!("subject {subject:?}: {err}"))
+                }
+                // A closed client (its sender gone) is nobody's message's fault either.
+                _ if !connected(&self.client) => PublishError::unavailable(format!(
+                    "NATS at {} is not connected: {err}",
+                    self.endpoint
+                )),
+                _ => PublishError::transient(format!("subject {subject:?}: {err}")),
+            },
             _ => PublishError::transient(format!("subject {subject:?}: {err}")),
         }
     }

@@ -69,7 +69,11 @@ pub(super) fn outgoing(
     check_subject(&subject).map_err(PublishError::permanent)?;
     let mut headers = HeaderMap::new();
     for (name, value) in &record.headers {
-        if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+        if name
+            .as_bytes()
+            .get(..5)
+            .is_some_and(|p| p.eq_ignore_ascii_case(b"nats-"))
+        {
             return Err(PublishError::permanent(format!(
                 "header {name:?} is refused: JetStream acts on headers starting with `Nats-`"
             )));
@@ -186,6 +190,24 @@ mod tests {
         assert!(
             err.is_permanent() && err.to_string().contains("Nats-"),
             "{err}"
+        );
+
+        // A name whose fifth byte is inside a character is checked, not sliced (and NATS
+        // takes only ASCII names).
+        let mut wide = record("t");
+        wide.headers.insert("abcdé".into(), "v".into());
+        let err = outgoing(&wide, "", 1 << 20).err().unwrap();
+        assert!(
+            err.is_permanent() && err.to_string().contains("not allowed"),
+            "{err}"
+        );
+        let mut wide_nats = record("t");
+        wide_nats.headers.insert("NATS-é".into(), "v".into());
+        assert!(
+            outgoing(&wide_nats, "", 1 << 20)
+                .err()
+                .unwrap()
+                .is_permanent()
         );
 
         let mut colon = record("t");
