@@ -249,9 +249,17 @@ fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
             !name.is_empty() && (name.starts_with(target) || target.starts_with(name))
         })
     };
+    // A quiet target's level is a cap: it is added only where the general level would let
+    // more through (never to make a target louder than `RUST_LOG` asked).
+    let general = spec
+        .split(',')
+        .map(|d| d.trim().to_ascii_lowercase())
+        .filter(|d| LEVELS.contains(&d.as_str()))
+        .last()
+        .map_or(LEVELS.len() - 1, |d| verbosity(&d));
     let mut directives = vec![spec.to_owned()];
     for (target, level) in QUIET {
-        if !named(target) {
+        if !named(target) && verbosity(level) > general {
             directives.push(format!("{target}={level}"));
         }
     }
@@ -260,6 +268,14 @@ fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
         fallback.extend(QUIET.iter().map(|(t, l)| format!("{t}={l}")));
         tracing_subscriber::EnvFilter::new(fallback.join(","))
     })
+}
+
+/// How much a level lets through: 0 for `trace`, up to 5 for `off`.
+fn verbosity(level: &str) -> usize {
+    ["trace", "debug", "info", "warn", "error", "off"]
+        .iter()
+        .position(|l| *l == level)
+        .unwrap_or(2)
 }
 
 /// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when
@@ -304,13 +320,7 @@ mod tests {
 
     #[test]
     fn the_quiet_targets_are_added_unless_named() {
-        for spec in [
-            None,
-            Some(""),
-            Some("info"),
-            Some("trace"),
-            Some("diesel_outbox=trace"),
-        ] {
+        for spec in [Some("trace"), Some("info,diesel_outbox=trace,trace")] {
             let filter = shown(spec);
             for (target, level) in QUIET {
                 assert!(
@@ -319,6 +329,19 @@ mod tests {
                 );
             }
         }
+        // At info (the default) only the targets capped below info get a directive.
+        for spec in [None, Some(""), Some("info")] {
+            let filter = shown(spec);
+            assert!(filter.contains("lapin=error"), "{spec:?}: {filter}");
+            assert!(!filter.contains("async_nats="), "{spec:?}: {filter}");
+        }
+        // A cap never makes a target louder than asked.
+        let quiet = shown(Some("warn"));
+        assert!(!quiet.contains("async_nats=debug"), "{quiet}");
+        assert!(!quiet.contains("tokio_postgres=info"), "{quiet}");
+        assert!(quiet.contains("lapin=error"), "{quiet}");
+        let targets_only = shown(Some("diesel_outbox=trace"));
+        assert!(!targets_only.contains("async_nats"), "{targets_only}");
         let named = shown(Some("trace,lapin=debug"));
         assert!(
             named.contains("lapin=debug") && !named.contains("lapin=error"),
