@@ -24,7 +24,7 @@
 //!
 //! ```sh
 //! cargo test --all-features --test faults                                    # CI tier
-//! cargo test --release --all-features --test faults -- --ignored --nocapture # long tier
+//! cargo test --release --all-features --test faults -- --ignored --nocapture # long tiers
 //! ```
 #![cfg(feature = "cli")]
 
