@@ -254,8 +254,7 @@ fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
     let general = spec
         .split(',')
         .map(|d| d.trim().to_ascii_lowercase())
-        .filter(|d| LEVELS.contains(&d.as_str()))
-        .last()
+        .rfind(|d| LEVELS.contains(&d.as_str()))
         .map_or(LEVELS.len() - 1, |d| verbosity(&d));
     let mut directives = vec![spec.to_owned()];
     for (target, level) in QUIET {
