@@ -41,6 +41,18 @@ pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
     ]
 }
 
+/// Indexes into [`cpu_seconds`]: the brokers, PostgreSQL, the benchmark process, the extra
+/// process.
+pub(crate) const BROKER: usize = 0;
+pub(crate) const POSTGRES: usize = 1;
+pub(crate) const CLIENT: usize = 2;
+pub(crate) const EXTRA: usize = 3;
+
+/// CPU microseconds per item of each process between two readings of [`cpu_seconds`].
+pub(crate) fn micros_per(before: [f64; 4], after: [f64; 4], items: usize) -> [f64; 4] {
+    std::array::from_fn(|i| (after[i] - before[i]) * 1e6 / items.max(1) as f64)
+}
+
 pub(crate) fn cpu_share(before: [f64; 4], after: [f64; 4], wall: f64) -> serde_json::Value {
     let share = |i: usize| round((after[i] - before[i]) / wall);
     json!({ "broker_cores": share(0), "postgres_cores": share(1), "bench_cores": share(2), "relay_cores": share(3) })
