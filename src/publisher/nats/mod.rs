@@ -20,6 +20,10 @@
 //! JetStream disabled) are reported as [`PublishError::unavailable`], and the relay releases those
 //! records without spending their attempts. The client reconnects by itself, for ever.
 //!
+//! Hazard: a topic that no stream captures is held the same way, never dead-lettered:
+//! while such a row is due the relay keeps backing off as a whole. Give the stream the
+//! subjects `<prefix>>` so that it captures every topic.
+//!
 //! Before anything is sent, each record is checked against what NATS takes, and fails
 //! permanently and alone if it breaks a rule: a subject that is empty, over 1 KiB, with
 //! whitespace, a control character, a wildcard (`*`, `>`) or an empty token, or starting
