@@ -171,42 +171,14 @@ async fn an_outage_spends_no_attempts_and_the_backlog_drains_when_the_server_is_
         .unwrap();
     let proxy = FaultProxy::start(upstream).await;
     let publisher = publisher(format!("nats://{}", proxy.addr), &stream.prefix).await;
-    let (max_attempts, backoff_max) = (2, Duration::from_millis(100));
-    let relay = f
-        .outbox
-        .relay(f.pool.clone(), publisher)
-        .max_attempts(max_attempts)
-        .backoff(Duration::from_millis(10), backoff_max)
-        .poll_interval(Duration::from_millis(50))
-        .build()
-        .unwrap();
-    let (stop, task) = spawn_relay(relay);
+    let (stop, task) = spawn_relay(f.outage_relay(publisher));
 
     proxy.set_down(true);
-    proxy.cut();
     for i in 0..30 {
         f.enqueue(Message::new("t", "x").key(format!("k{i:02}")))
             .await;
     }
-    let outage = 10 * max_attempts * backoff_max;
-    let down_until = tokio::time::Instant::now() + outage;
-    let mut blocked_seen = false;
-    while tokio::time::Instant::now() < down_until {
-        let stats = f.outbox.stats(&mut f.conn).await.unwrap();
-        blocked_seen |= stats.blocked_for.is_some();
-        assert_eq!(stats.dead, 0, "a dead letter during the outage");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    // A batch claimed at this moment holds its attempt until it is released: only rows
-    // out of any lease must have none.
-    assert_eq!(
-        f.count(
-            "status = 'dead' OR (attempts > 0 AND (lease_until IS NULL OR lease_until <= now()))"
-        )
-        .await,
-        0
-    );
-    assert!(blocked_seen, "stats never showed the relay blocked");
+    f.ride_out_outage().await;
 
     proxy.set_down(false);
     f.wait_rows("status = 'sent' AND attempts = 1", 30).await;

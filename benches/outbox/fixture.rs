@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use diesel::QueryableByName;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::ATTEMPT_HEADER;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Message, Outbox, PgPool, Publisher};
@@ -183,6 +183,35 @@ impl Env {
             outbox.enqueue_many(&mut self.conn, msgs).await?;
         }
         Ok(())
+    }
+
+    /// Starts the `diesel-outbox relay` binary on the empty `outbox` with `args` (after
+    /// `relay`) and `envs` (the database URL is set), waits until it is idle, then commits
+    /// a backlog of `n` messages in one transaction, whose commit wakes it, so a figure
+    /// leaves out the process's start-up. The checkpoint (from another connection, while
+    /// the backlog is uncommitted) flushes the backlog's pages too. Returns the process and
+    /// the moment of the commit.
+    pub(crate) async fn relay_process_with_backlog(
+        &mut self,
+        outbox: &Outbox,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        n: usize,
+    ) -> BoxResult<(std::process::Child, Instant)> {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
+            .args(["--table", outbox.table(), "relay"])
+            .args(args)
+            .env("DATABASE_URL", &self.database_url)
+            .envs(envs.iter().copied())
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        self.wait_idle(outbox).await?;
+        self.conn.batch_execute("BEGIN").await?;
+        self.enqueue_backlog(outbox, n, None).await?;
+        self.pool.get().await?.batch_execute("CHECKPOINT").await?;
+        self.conn.batch_execute("COMMIT").await?;
+        Ok((child, Instant::now()))
     }
 
     /// Polls (cheaply, so the poll does not load the database) until no row is pending,

@@ -2,7 +2,7 @@
 //! (1 KiB, `Nats-Msg-Id` set) with pipelined acknowledgements, both to one file-backed
 //! stream, with the CPU of each process.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
 use async_nats::HeaderMap;
@@ -65,22 +65,24 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
     // The relay process, started on an empty table; the backlog arrives in one commit.
     let outbox = env.outbox("jetstream").await?;
     let relay_prefix = format!("{prefix}relay.");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
-        .args(["--table", outbox.table(), "relay", "--broker", "nats"])
-        .args(["--subject-prefix", &relay_prefix])
-        .args(["--batch-size", &batch.to_string()])
-        .env("DATABASE_URL", &env.database_url)
-        .env("NATS_URL", &env.nats_url)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()?;
+    let batch_arg = batch.to_string();
+    let nats_url = env.nats_url.clone();
+    let (mut child, started) = env
+        .relay_process_with_backlog(
+            &outbox,
+            &[
+                "--broker",
+                "nats",
+                "--subject-prefix",
+                &relay_prefix,
+                "--batch-size",
+                &batch_arg,
+            ],
+            &[("NATS_URL", &nats_url)],
+            n,
+        )
+        .await?;
     let pid = child.id();
-    env.wait_idle(&outbox).await?;
-    env.conn.batch_execute("BEGIN").await?;
-    env.enqueue_backlog(&outbox, n, None).await?;
-    env.pool.get().await?.batch_execute("CHECKPOINT").await?;
-    env.conn.batch_execute("COMMIT").await?;
-    let started = Instant::now();
     let cpu_before = cpu_seconds(Some(pid));
     let done = env
         .wait_sent(&outbox, n as u64, std::time::Duration::from_secs(600))

@@ -3,7 +3,7 @@
 //! mark-sent loop over as many rows; (a″) the relay process's CPU per message against raw
 //! lapin's; (g) the relay's peak memory.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -58,27 +58,18 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let raw_per_message = micros_per(cpu_before, cpu_after, n);
     env.purge(&queue).await?;
 
-    // The relay, as its own process (the operator binary), so its memory can be read. It
-    // starts on an empty table and goes idle; the backlog then arrives in one transaction,
-    // whose commit wakes it, so the figure leaves out the process's start-up.
+    // The relay, as its own process (the operator binary), so its memory can be read.
     let outbox = env.outbox("throughput").await?;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
-        .args(["--table", outbox.table(), "relay", "--exchange", &exchange])
-        .args(["--batch-size", &batch.to_string()])
-        .env("DATABASE_URL", &env.database_url)
-        .env("AMQP_URL", &env.amqp_url)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()?;
+    let batch_arg = batch.to_string();
+    let (mut child, started) = env
+        .relay_process_with_backlog(
+            &outbox,
+            &["--exchange", &exchange, "--batch-size", &batch_arg],
+            &[("AMQP_URL", &env.amqp_url.clone())],
+            n,
+        )
+        .await?;
     let pid = child.id();
-    env.wait_idle(&outbox).await?;
-    env.conn.batch_execute("BEGIN").await?;
-    env.enqueue_backlog(&outbox, n, None).await?;
-    // The checkpoint (from another connection, while the backlog is uncommitted) flushes
-    // the backlog's pages too.
-    env.pool.get().await?.batch_execute("CHECKPOINT").await?;
-    env.conn.batch_execute("COMMIT").await?;
-    let started = Instant::now();
     let cpu_before = cpu_seconds(Some(pid));
     let rss_peak = Arc::new(AtomicU64::new(0));
     let sampler = {

@@ -189,7 +189,52 @@ pub async fn fixture() -> Fixture {
     }
 }
 
+/// The relay options of the outage tests: an outage longer than ten times
+/// `max_attempts × backoff max` would dead-letter everything if it spent attempts.
+pub const OUTAGE_MAX_ATTEMPTS: u32 = 2;
+pub const OUTAGE_BACKOFF_MAX: Duration = Duration::from_millis(100);
+
 impl Fixture {
+    /// A relay with the outage tests' options.
+    pub fn outage_relay<P: diesel_outbox::Publisher>(
+        &self,
+        publisher: P,
+    ) -> diesel_outbox::Relay<P> {
+        self.outbox
+            .relay(self.pool.clone(), publisher)
+            .max_attempts(OUTAGE_MAX_ATTEMPTS)
+            .backoff(Duration::from_millis(10), OUTAGE_BACKOFF_MAX)
+            .poll_interval(Duration::from_millis(50))
+            .build()
+            .unwrap()
+    }
+
+    /// With the broker down, watches for ten times `max_attempts × backoff max`: no dead
+    /// letter ever, `stats` shows the relay blocked, and at the end no row out of a lease
+    /// has spent an attempt (a batch claimed at that moment holds one until it is
+    /// released). Returns how long it watched.
+    pub async fn ride_out_outage(&mut self) -> Duration {
+        let outage = 10 * OUTAGE_MAX_ATTEMPTS * OUTAGE_BACKOFF_MAX;
+        let until = Instant::now() + outage;
+        let mut blocked_seen = false;
+        while Instant::now() < until {
+            let stats = self.outbox.stats(&mut self.conn).await.unwrap();
+            blocked_seen |= stats.blocked_for.is_some();
+            assert_eq!(stats.dead, 0, "a dead letter during the outage");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            self.count(
+                "status = 'dead' OR (attempts > 0 AND (lease_until IS NULL OR lease_until <= now()))"
+            )
+            .await,
+            0,
+            "an attempt spent during the outage"
+        );
+        assert!(blocked_seen, "stats never showed the relay blocked");
+        outage
+    }
+
     pub async fn enqueue(&mut self, msg: diesel_outbox::Message) -> String {
         self.outbox.enqueue(&mut self.conn, msg).await.unwrap()
     }

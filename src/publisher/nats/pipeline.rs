@@ -61,7 +61,7 @@ impl JetStreamPublisher {
                 })
                 .collect();
         }
-        let max_payload = self.client.server_info().max_payload;
+        let max_payload = self.client.max_payload();
         let mut results: Vec<Option<std::result::Result<(), PublishError>>> =
             records.iter().map(|_| None).collect();
         let mut pending = FuturesUnordered::new();
