@@ -35,7 +35,7 @@ use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 
 use super::Delivery;
-use super::source::{Incoming, Settle};
+use super::source::{Incoming, Link, Settle};
 use crate::error::BoxError;
 use crate::publisher::nats::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, Servers};
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
@@ -49,10 +49,7 @@ pub struct Source {
     stream: String,
     durable: String,
     prefix: String,
-    live: Option<Live>,
-    /// A connection being opened: kept across calls of `next`, which the runner may drop
-    /// while it waits (a connect is not restarted each time).
-    connecting: Option<BoxFuture<'static, Result<Live, String>>>,
+    link: Link<Live>,
 }
 
 struct Live {
@@ -71,7 +68,7 @@ impl fmt::Debug for Source {
             .field("endpoint", &endpoint)
             .field("stream", &self.stream)
             .field("durable", &self.durable)
-            .field("connected", &self.live.is_some())
+            .field("connected", &self.link.is_live())
             .finish_non_exhaustive()
     }
 }
@@ -89,8 +86,7 @@ impl Source {
             stream: stream.into(),
             durable: durable.into(),
             prefix: String::new(),
-            live: None,
-            connecting: None,
+            link: Link::default(),
         }
     }
 
@@ -157,22 +153,17 @@ impl super::Source for Source {
 
     async fn next(&mut self, prefetch: u16) -> Result<Incoming, BoxError> {
         loop {
-            let live = match &mut self.live {
-                Some(live) => live,
-                None => {
-                    let connecting = self.connecting.get_or_insert_with(|| {
-                        Box::pin(connect(
-                            self.servers.clone(),
-                            self.stream.clone(),
-                            self.durable.clone(),
-                            prefetch,
-                        ))
-                    });
-                    let opened = connecting.await;
-                    self.connecting = None;
-                    self.live.insert(opened?)
-                }
-            };
+            let live = self
+                .link
+                .get(|| {
+                    Box::pin(connect(
+                        self.servers.clone(),
+                        self.stream.clone(),
+                        self.durable.clone(),
+                        prefetch,
+                    ))
+                })
+                .await?;
             match live.messages.next().await {
                 Some(Ok(message)) => {
                     let redelivered = message.info().is_ok_and(|info| info.delivered > 1);
@@ -194,13 +185,13 @@ impl super::Source for Source {
                     }
                 }
                 Some(Err(e)) => {
-                    self.live = None;
+                    self.link.lost();
                     return Err(
                         format!("NATS JetStream {}/{}: {e}", self.stream, self.durable).into(),
                     );
                 }
                 None => {
-                    self.live = None;
+                    self.link.lost();
                     return Err(format!(
                         "NATS JetStream ended the subscription to {}/{}",
                         self.stream, self.durable
@@ -212,8 +203,7 @@ impl super::Source for Source {
     }
 
     async fn close(&mut self) {
-        self.live = None;
-        self.connecting = None;
+        self.link.take();
     }
 }
 

@@ -22,7 +22,7 @@ use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
 
 use super::Delivery;
-use super::source::{Incoming, Settle};
+use super::source::{Incoming, Link, Settle};
 use crate::error::BoxError;
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 
@@ -39,10 +39,7 @@ pub struct Source {
     endpoint: String,
     queue: String,
     tag: String,
-    live: Option<Live>,
-    /// A connection being opened: kept across calls of `next`, which the runner may drop
-    /// while it waits (a connect is not restarted each time).
-    connecting: Option<BoxFuture<'static, Result<Live, String>>>,
+    link: Link<Live>,
 }
 
 struct Live {
@@ -56,7 +53,7 @@ impl fmt::Debug for Source {
         f.debug_struct("Source")
             .field("endpoint", &self.endpoint)
             .field("queue", &self.queue)
-            .field("connected", &self.live.is_some())
+            .field("connected", &self.link.is_live())
             .finish_non_exhaustive()
     }
 }
@@ -77,8 +74,7 @@ impl Source {
             endpoint,
             queue: queue.into(),
             tag: format!("diesel-outbox-{}", uuid::Uuid::new_v4().simple()),
-            live: None,
-            connecting: None,
+            link: Link::default(),
         }
     }
 }
@@ -139,29 +135,24 @@ impl super::Source for Source {
 
     async fn next(&mut self, prefetch: u16) -> Result<Incoming, BoxError> {
         loop {
-            let live = match &mut self.live {
-                Some(live) => live,
-                None => {
-                    let connecting = self.connecting.get_or_insert_with(|| {
-                        Box::pin(connect(
-                            self.uri.clone(),
-                            self.endpoint.clone(),
-                            self.queue.clone(),
-                            self.tag.clone(),
-                            prefetch,
-                        ))
-                    });
-                    let opened = connecting.await;
-                    self.connecting = None;
-                    self.live.insert(opened?)
-                }
-            };
+            let live = self
+                .link
+                .get(|| {
+                    Box::pin(connect(
+                        self.uri.clone(),
+                        self.endpoint.clone(),
+                        self.queue.clone(),
+                        self.tag.clone(),
+                        prefetch,
+                    ))
+                })
+                .await?;
             let next = tokio::time::timeout(LIVENESS_CHECK, live.consumer.next()).await;
             let Ok(next) = next else {
                 if live.connection.status().connected() {
                     continue;
                 }
-                self.live = None;
+                self.link.lost();
                 return Err(format!("lost the connection to RabbitMQ at {}", self.endpoint).into());
             };
             match next {
@@ -184,11 +175,11 @@ impl super::Source for Source {
                     }
                 },
                 Some(Err(e)) => {
-                    self.live = None;
+                    self.link.lost();
                     return Err(format!("RabbitMQ at {}: {e}", self.endpoint).into());
                 }
                 None => {
-                    self.live = None;
+                    self.link.lost();
                     return Err(format!(
                         "RabbitMQ at {} ended the subscription to {}",
                         self.endpoint, self.queue
@@ -200,7 +191,7 @@ impl super::Source for Source {
     }
 
     async fn close(&mut self) {
-        if let Some(live) = self.live.take() {
+        if let Some(live) = self.link.take() {
             let _ = live
                 .channel
                 .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())

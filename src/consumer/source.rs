@@ -52,3 +52,51 @@ pub trait Settle: Send + Sync {
     /// queue's dead-letter exchange, if it has one).
     fn reject(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>>;
 }
+
+/// A source's connection: the live one, or the connect under way, which is kept across
+/// calls of `next` that the runner drops while they wait (so a connect is not restarted
+/// each time).
+pub(super) struct Link<L> {
+    live: Option<L>,
+    connecting: Option<BoxFuture<'static, Result<L, String>>>,
+}
+
+impl<L> Default for Link<L> {
+    fn default() -> Self {
+        Link {
+            live: None,
+            connecting: None,
+        }
+    }
+}
+
+impl<L> Link<L> {
+    /// The live connection, opened with `connect` first if there is none (or the connect
+    /// under way resumed).
+    pub(super) async fn get(
+        &mut self,
+        connect: impl FnOnce() -> BoxFuture<'static, Result<L, String>>,
+    ) -> Result<&mut L, String> {
+        if self.live.is_none() {
+            let opened = self.connecting.get_or_insert_with(connect).await;
+            self.connecting = None;
+            self.live = Some(opened?);
+        }
+        Ok(self.live.as_mut().expect("connected above"))
+    }
+
+    /// The connection is gone: the next `get` opens a new one.
+    pub(super) fn lost(&mut self) {
+        self.live = None;
+    }
+
+    /// Ends the link, giving back the live connection to close.
+    pub(super) fn take(&mut self) -> Option<L> {
+        self.connecting = None;
+        self.live.take()
+    }
+
+    pub(super) fn is_live(&self) -> bool {
+        self.live.is_some()
+    }
+}
