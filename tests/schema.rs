@@ -68,7 +68,7 @@ async fn migrate_repeatedly_and_concurrently(outbox: Outbox, schema: &TestSchema
     assert!(table_exists(&mut conn, &format!("{t}_inbox")).await);
     assert_eq!(
         versions(&mut conn, &format!("{t}_migrations")).await,
-        vec![1, 2]
+        vec![1, 2, 3]
     );
     outbox
         .enqueue(&mut conn, Message::new("t", "works"))
@@ -183,14 +183,33 @@ async fn migrate_upgrades_a_table_left_at_version_one() {
     let migrations_table = format!("{}_migrations", outbox.table());
     assert_eq!(versions(&mut conn, &migrations_table).await, vec![1]);
     outbox.migrate(&mut conn).await.unwrap();
-    assert_eq!(versions(&mut conn, &migrations_table).await, vec![1, 2]);
+    assert_eq!(versions(&mut conn, &migrations_table).await, vec![1, 2, 3]);
     let stats = outbox.stats(&mut conn).await.unwrap();
     assert_eq!(stats.blocked_for, None);
+    assert_eq!(fillfactor(&mut conn, outbox.table()).await, "fillfactor=50");
     // And every version's down.sql takes it back, newest first.
     for (_, down) in outbox.diesel_migrations().iter().rev() {
         conn.batch_execute(down).await.unwrap();
     }
     assert!(!table_exists(&mut conn, outbox.table()).await);
+}
+
+/// The table's `fillfactor` storage parameter, as `pg_class.reloptions` holds it.
+async fn fillfactor(conn: &mut AsyncPgConnection, table: &str) -> String {
+    #[derive(diesel::QueryableByName)]
+    struct Opt {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        opt: String,
+    }
+    diesel::sql_query(
+        "SELECT o AS opt FROM pg_class, unnest(reloptions) AS o \
+         WHERE oid = $1::regclass AND o LIKE 'fillfactor=%'",
+    )
+    .bind::<diesel::sql_types::Text, _>(table)
+    .get_result::<Opt>(conn)
+    .await
+    .unwrap()
+    .opt
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -204,11 +223,14 @@ async fn embedded_migrations_run_through_diesels_harness() {
     let applied = harness
         .run_pending_migrations(diesel_outbox::MIGRATIONS)
         .unwrap();
-    assert_eq!(applied.len(), 2);
+    assert_eq!(applied.len(), 3);
     let mut conn = harness.into_inner();
 
     // The same schema as `migrate`, which therefore finds nothing to do.
-    assert_eq!(versions(&mut conn, "outbox_migrations").await, vec![1, 2]);
+    assert_eq!(
+        versions(&mut conn, "outbox_migrations").await,
+        vec![1, 2, 3]
+    );
     Outbox::new().migrate(&mut conn).await.unwrap();
     conn.enqueue(Message::new("t", "x")).await.unwrap();
     let n: Count = diesel::sql_query("SELECT count(*) AS n FROM outbox")
@@ -232,7 +254,7 @@ async fn sql_statements_build_the_same_schema() {
     }
     assert_eq!(
         versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
-        vec![1, 2]
+        vec![1, 2, 3]
     );
     outbox.migrate(&mut conn).await.unwrap();
     outbox
@@ -261,7 +283,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     let mut harness = AsyncMigrationHarness::new(schema.connect().await);
     for outbox in [&first, &second] {
         let applied = harness.run_pending_migrations(outbox.migrations()).unwrap();
-        assert_eq!(applied.len(), 2, "{}", outbox.table());
+        assert_eq!(applied.len(), 3, "{}", outbox.table());
     }
     assert!(
         harness
@@ -273,7 +295,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     for outbox in [&first, &second] {
         assert_eq!(
             versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
-            vec![1, 2]
+            vec![1, 2, 3]
         );
         outbox.migrate(&mut conn).await.unwrap();
         outbox
@@ -300,7 +322,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     let reverted = harness
         .revert_all_migrations(Both(vec![first.migrations(), second.migrations()]))
         .unwrap();
-    assert_eq!(reverted.len(), 4);
+    assert_eq!(reverted.len(), 6);
     let mut conn = harness.into_inner();
     assert!(!table_exists(&mut conn, first.table()).await);
     assert!(!table_exists(&mut conn, second.table()).await);

@@ -15,8 +15,10 @@ use super::options::Options;
 use crate::metrics::Metrics;
 use crate::publisher::PublishError;
 
-/// The longest wait between two tries while the broker is unavailable.
-pub(super) const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// The longest wait between two tries while the broker is unavailable: a try costs a
+/// connection attempt and the claim and release of one batch, and a backlog starts to
+/// drain at most this long after the broker is back.
+pub(super) const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// While an outage lasts, it is logged again this often.
 const LOG_EVERY: Duration = Duration::from_secs(60);
 
@@ -157,5 +159,26 @@ mod tests {
         outage.report("t", before, &err, &options, &metrics);
         assert_eq!(outage.since(), None);
         assert_eq!(metrics.blocked.load(Ordering::SeqCst), 1);
+    }
+
+    /// However long the outage, the relay tries again at least every `OUTAGE_BACKOFF_MAX`,
+    /// so the backlog starts to drain soon after the broker is back.
+    #[tokio::test(start_paused = true)]
+    async fn a_long_outage_is_tried_at_least_every_five_seconds() {
+        let (outage, metrics, options) =
+            (Outage::default(), Counted::default(), Options::default());
+        let err = PublishError::unavailable("connection refused");
+        let mut longest = Duration::ZERO;
+        for _ in 0..40 {
+            outage.report("t", Instant::now(), &err, &options, &metrics);
+            let wait = outage.retry_at().unwrap() - Instant::now();
+            longest = longest.max(wait);
+            tokio::time::advance(wait).await;
+        }
+        assert!(longest <= Duration::from_secs(5), "{longest:?}");
+        assert!(
+            longest >= Duration::from_secs(4),
+            "the cap is reached: {longest:?}"
+        );
     }
 }

@@ -89,6 +89,15 @@ ALTER TABLE "sales"."orders_outbox_relays" DROP COLUMN IF EXISTS blocked_since;
 -- migration 2 down 1
 DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 2;
 
+-- migration 3 up 0
+ALTER TABLE "sales"."orders_outbox" SET (fillfactor = 50);
+
+-- migration 3 down 0
+ALTER TABLE "sales"."orders_outbox" SET (fillfactor = 70);
+
+-- migration 3 down 1
+DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 3;
+
 -- enqueue
 WITH m AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)

@@ -1,0 +1,3 @@
+ALTER TABLE "outbox" SET (fillfactor = 70);
+
+DELETE FROM "outbox_migrations" WHERE version = 3;
