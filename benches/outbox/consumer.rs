@@ -15,6 +15,7 @@ use lapin::types::FieldTable;
 use serde_json::json;
 
 use crate::fixture::{Env, raw_publish};
+use crate::measure::Cpu;
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
@@ -32,6 +33,8 @@ pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
     // round on messages of its own.
     let rounds = [(false, 1), (true, 1), (false, 1), (true, 1), (true, 8)];
     let mut rates: Vec<(bool, usize, f64)> = Vec::new();
+    // Each round's CPU per delivery (the consumers run inside the benchmark process).
+    let mut cpu = Vec::new();
     for (round, (runs_runner, concurrency)) in rounds.into_iter().enumerate() {
         let mut confirms = Vec::with_capacity(n);
         for i in 0..n {
@@ -43,6 +46,7 @@ pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
             confirm.await?;
         }
         let started = Instant::now();
+        let window = Cpu::start(None);
         if runs_runner {
             runner(env, &outbox, &queue, &effects, n, concurrency).await?;
         } else {
@@ -53,6 +57,13 @@ pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
             concurrency,
             n as f64 / started.elapsed().as_secs_f64(),
         ));
+        let mut used = window.per(n);
+        used["round"] = json!(if runs_runner {
+            format!("runner x{concurrency}")
+        } else {
+            "hand-written".to_owned()
+        });
+        cpu.push(used);
     }
     let mean_of = |runner: bool, concurrency: usize| {
         let picked: Vec<f64> = rates
@@ -65,7 +76,7 @@ pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let (by_hand_rate, runner_rate, runner8_rate) =
         (mean_of(false, 1), mean_of(true, 1), mean_of(true, 8));
     env.drop_queue(&queue).await?;
-    let params = |concurrency: usize| json!({ "messages_per_round": n, "payload_bytes": KIB, "concurrency": concurrency, "per_delivery": "transaction, dedupe insert, effect insert, commit, ack", "rounds": "hand, runner, hand, runner (means), then runner x8" });
+    let params = |concurrency: usize| json!({ "messages_per_round": n, "payload_bytes": KIB, "concurrency": concurrency, "per_delivery": "transaction, dedupe insert, effect insert, commit, ack", "rounds": "hand, runner, hand, runner (means), then runner x8", "cpu_by_round": cpu });
     for (name, value, target, concurrency) in [
         (
             "j. consumer runner vs hand-written",

@@ -51,12 +51,16 @@ pub(crate) async fn enqueue_cost(env: &mut Env) -> BoxResult<Vec<Figure>> {
         Pipelined,
         /// One more statement that does nothing: the floor of any extra statement.
         Select,
+        /// A second business insert: what any one-row insert costs (its row, its index
+        /// entries and their WAL) on top of its round trip.
+        Insert,
     }
     let arms = [
         Extra::Nothing,
         Extra::Enqueue,
         Extra::Pipelined,
         Extra::Select,
+        Extra::Insert,
     ];
     let mut took: Vec<Vec<f64>> = vec![Vec::new(); arms.len()];
     // Interleaved rounds, so drift on a noisy machine hits every arm alike.
@@ -88,6 +92,10 @@ pub(crate) async fn enqueue_cost(env: &mut Env) -> BoxResult<Vec<Figure>> {
                                     outbox.enqueue_pipelined(c, message()),
                                 )?;
                             }
+                            Extra::Insert => {
+                                insert().execute(c).await?;
+                                insert().execute(c).await?;
+                            }
                             Extra::Select => {
                                 insert().execute(c).await?;
                                 diesel::select(1.into_sql::<diesel::sql_types::Integer>())
@@ -103,42 +111,66 @@ pub(crate) async fn enqueue_cost(env: &mut Env) -> BoxResult<Vec<Figure>> {
         }
     }
     env.conn.batch_execute("RESET search_path").await?;
-    let [without, with, pipelined, select] = &mut took[..] else {
-        unreachable!("four arms")
+    let [without, with, pipelined, select, second_insert] = &mut took[..] else {
+        unreachable!("five arms")
     };
     let without_p50 = percentile(without, 50.0);
+    let (with_p50, pipelined_p50, select_p50) = (
+        percentile(with, 50.0),
+        percentile(pipelined, 50.0),
+        percentile(select, 50.0),
+    );
     let params = json!({
         "transactions_each": rounds * per_round,
+        "p50_without_us": round(without_p50),
+        "p50_with_us": round(with_p50),
+        "p50_pipelined_us": round(pipelined_p50),
+        "p50_with_select_1_us": round(select_p50),
+        "p50_with_second_insert_us": round(percentile(second_insert, 50.0)),
         "mean_without_us": round(mean(without)),
         "mean_with_us": round(mean(with)),
         "mean_pipelined_us": round(mean(pipelined)),
         "mean_with_select_1_us": round(mean(select)),
+        "mean_with_second_insert_us": round(mean(second_insert)),
         "payload_bytes": KIB,
     });
-    let baseline = Some(("same transaction without enqueue", without_p50));
     let figures = vec![
         Figure {
-            name: "b. enqueue cost (p50 latency)",
-            value: percentile(with, 50.0),
+            name: "b. enqueue's extra latency (p50)",
+            value: with_p50 - without_p50,
             unit: "µs",
-            baseline,
-            target: "<= 1.30 x",
+            baseline: Some((
+                "extra latency of SELECT 1 in the same transaction",
+                select_p50 - without_p50,
+            )),
+            target: "<= 1.20 x",
             params: params.clone(),
         },
         Figure {
-            name: "b. enqueue pipelined with the insert",
-            value: percentile(pipelined, 50.0),
+            name: "b′. enqueue pipelined with the insert (p50)",
+            value: pipelined_p50,
             unit: "µs",
-            baseline,
-            target: "<= 1.30 x",
+            baseline: Some(("same transaction without enqueue", without_p50)),
+            target: "<= 1.10 x",
             params: params.clone(),
         },
         Figure {
-            name: "b. one more statement (SELECT 1)",
-            value: percentile(select, 50.0),
+            name: "b. extra latency of a second business insert (p50)",
+            value: percentile(second_insert, 50.0) - without_p50,
             unit: "µs",
-            baseline,
-            target: "(floor)",
+            baseline: Some((
+                "extra latency of SELECT 1 in the same transaction",
+                select_p50 - without_p50,
+            )),
+            target: "(floor of an insert)",
+            params: params.clone(),
+        },
+        Figure {
+            name: "b. transaction with the enqueue (p50)",
+            value: with_p50,
+            unit: "µs",
+            baseline: Some(("same transaction without enqueue", without_p50)),
+            target: "-",
             params,
         },
     ];

@@ -103,26 +103,12 @@ impl Env {
     /// Waits until the relay on `outbox` has finished lingering after start-up and recorded
     /// itself idle.
     pub(crate) async fn wait_idle(&mut self, outbox: &Outbox) -> BoxResult<()> {
-        #[derive(QueryableByName)]
-        struct Idle {
-            #[diesel(sql_type = diesel::sql_types::Bool)]
-            idle: bool,
-        }
-        let sql = format!(
-            "SELECT EXISTS (SELECT 1 FROM {}_relays WHERE idle) AS idle",
-            outbox.table()
-        );
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !diesel::sql_query(&sql)
-            .get_result::<Idle>(&mut self.conn)
-            .await?
-            .idle
-        {
-            if Instant::now() > deadline {
-                return Err("the relay never went idle".into());
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        self.wait_until(
+            outbox,
+            "EXISTS (SELECT 1 FROM {t}_relays WHERE idle)",
+            Duration::from_secs(10),
+        )
+        .await?;
         Ok(())
     }
 
@@ -147,34 +133,31 @@ impl Env {
         Ok((outbox, RunningRelay::start(relay.build()?)))
     }
 
-    /// Enqueues `n` 1 KiB messages (without waking anyone), `aggregate` on each if given.
-    pub(crate) async fn fill(
-        &mut self,
-        outbox: &Outbox,
-        n: usize,
-        aggregate: Option<&str>,
-    ) -> BoxResult<()> {
+    /// Enqueues `n` 1 KiB messages (without waking anyone), with aggregate keys as `keys`
+    /// says.
+    pub(crate) async fn fill(&mut self, outbox: &Outbox, n: usize, keys: Keys) -> BoxResult<()> {
         let quiet = Outbox::builder()
             .table(outbox.table())
             .without_notify()
             .build()?;
-        self.enqueue_backlog(&quiet, n, aggregate).await
+        self.enqueue_range(&quiet, 0..n, keys).await
     }
 
-    /// Enqueues `n` 1 KiB messages through `outbox` in chunks of 1,000.
-    pub(crate) async fn enqueue_backlog(
+    /// Enqueues 1 KiB messages `m<i>` for each `i` of `range` through `outbox`, 1,000 to a
+    /// statement.
+    pub(crate) async fn enqueue_range(
         &mut self,
         outbox: &Outbox,
-        n: usize,
-        aggregate: Option<&str>,
+        range: std::ops::Range<usize>,
+        keys: Keys,
     ) -> BoxResult<()> {
         let payload = vec![b'x'; KIB];
-        for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
+        for chunk in range.collect::<Vec<_>>().chunks(1_000) {
             let msgs = chunk
                 .iter()
-                .map(|i| {
+                .map(|&i| {
                     let m = Message::new("bench.event", payload.clone()).key(format!("m{i}"));
-                    match aggregate {
+                    match keys.of(i) {
                         Some(a) => m.aggregate_key(a),
                         None => m,
                     }
@@ -185,69 +168,154 @@ impl Env {
         Ok(())
     }
 
-    /// Starts the `diesel-outbox relay` binary on the empty `outbox` with `args` (after
-    /// `relay`) and `envs` (the database URL is set), waits until it is idle, then commits
-    /// a backlog of `n` messages in one transaction, whose commit wakes it, so a figure
-    /// leaves out the process's start-up. The checkpoint (from another connection, while
-    /// the backlog is uncommitted) flushes the backlog's pages too. Returns the process and
-    /// the moment of the commit.
+    /// Starts the `diesel-outbox relay` binary on `outbox` with `args` (after `relay`) and
+    /// `envs` (the database URL is set), and waits until it has nothing to do.
+    pub(crate) async fn relay_process(
+        &mut self,
+        outbox: &Outbox,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> BoxResult<std::process::Child> {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
+            .args(["--table", outbox.table(), "relay"])
+            .args(args)
+            .env("DATABASE_URL", &self.database_url)
+            .envs(envs.iter().copied())
+            // lapin logs every failed reconnect as an error; the relay reports outages itself.
+            .env("RUST_LOG", "warn,lapin=off")
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        self.wait_idle(outbox).await?;
+        Ok(child)
+    }
+
+    /// Starts a relay process on the empty `outbox` as [`Env::relay_process`] does, then
+    /// commits a backlog of `n` messages (aggregate keys as `keys` says) in one transaction,
+    /// whose commit wakes it, so a figure leaves out the process's start-up. The checkpoint
+    /// (from another connection, while the backlog is uncommitted) flushes the backlog's
+    /// pages too. Returns the process and the moment of the commit.
     pub(crate) async fn relay_process_with_backlog(
         &mut self,
         outbox: &Outbox,
         args: &[&str],
         envs: &[(&str, &str)],
         n: usize,
+        keys: Keys,
     ) -> BoxResult<(std::process::Child, Instant)> {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
-            .args(["--table", outbox.table(), "relay"])
-            .args(args)
-            .env("DATABASE_URL", &self.database_url)
-            .envs(envs.iter().copied())
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null())
-            .spawn()?;
-        self.wait_idle(outbox).await?;
+        let child = self.relay_process(outbox, args, envs).await?;
         self.conn.batch_execute("BEGIN").await?;
-        self.enqueue_backlog(outbox, n, None).await?;
+        self.enqueue_range(outbox, 0..n, keys).await?;
         self.pool.get().await?.batch_execute("CHECKPOINT").await?;
         self.conn.batch_execute("COMMIT").await?;
         Ok((child, Instant::now()))
     }
 
     /// Polls (cheaply, so the poll does not load the database) until no row is pending,
-    /// then checks that `n` were sent; returns when the last one was.
+    /// then checks that `n` were sent and none died; returns when the last one was sent.
     pub(crate) async fn wait_sent(
         &mut self,
         outbox: &Outbox,
         n: u64,
         limit: Duration,
     ) -> BoxResult<Instant> {
+        let done = self.wait_drained(outbox, limit).await?;
+        let stats = outbox.stats(&mut self.conn).await?;
+        if (stats.sent < n && !stats.sent_is_estimate) || stats.dead > 0 {
+            return Err(format!("expected {n} sent, found {stats:?}").into());
+        }
+        Ok(done)
+    }
+
+    /// Polls, as [`Env::wait_sent`] does, until no row of `outbox` is pending.
+    pub(crate) async fn wait_drained(
+        &mut self,
+        outbox: &Outbox,
+        limit: Duration,
+    ) -> BoxResult<Instant> {
+        self.wait_until(
+            outbox,
+            "NOT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending')",
+            limit,
+        )
+        .await
+    }
+
+    /// The number of rows of `outbox` for which `condition` (SQL) holds.
+    pub(crate) async fn count(&mut self, outbox: &Outbox, condition: &str) -> BoxResult<i64> {
         #[derive(QueryableByName)]
-        struct Pending {
-            #[diesel(sql_type = diesel::sql_types::Bool)]
-            pending: bool,
+        struct Count {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
         }
         let sql = format!(
-            "SELECT EXISTS (SELECT 1 FROM {} WHERE status = 'pending') AS pending",
+            "SELECT count(*) AS n FROM {} WHERE {condition}",
             outbox.table()
+        );
+        Ok(diesel::sql_query(&sql)
+            .get_result::<Count>(&mut self.conn)
+            .await?
+            .n)
+    }
+
+    /// Polls every 10 ms until `condition` (SQL, with `{t}` for the table) holds; returns
+    /// when it first did.
+    pub(crate) async fn wait_until(
+        &mut self,
+        outbox: &Outbox,
+        condition: &str,
+        limit: Duration,
+    ) -> BoxResult<Instant> {
+        #[derive(QueryableByName)]
+        struct Holds {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            holds: bool,
+        }
+        let sql = format!(
+            "SELECT {} AS holds",
+            condition.replace("{t}", outbox.table())
         );
         let deadline = Instant::now() + limit;
         loop {
-            let row: Pending = diesel::sql_query(&sql).get_result(&mut self.conn).await?;
-            if !row.pending {
-                let done = Instant::now();
-                let stats = outbox.stats(&mut self.conn).await?;
-                if (stats.sent < n && !stats.sent_is_estimate) || stats.dead > 0 {
-                    return Err(format!("expected {n} sent, found {stats:?}").into());
-                }
-                return Ok(done);
+            let row: Holds = diesel::sql_query(&sql).get_result(&mut self.conn).await?;
+            if row.holds {
+                return Ok(Instant::now());
             }
             if Instant::now() > deadline {
-                return Err(format!("{n} messages not sent within {limit:?}").into());
+                return Err(format!("{condition} did not hold within {limit:?}").into());
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// The aggregate keys of a backlog.
+#[derive(Clone, Copy)]
+pub(crate) enum Keys {
+    /// No aggregate keys: no order to keep.
+    Unordered,
+    /// Every message of one aggregate.
+    One(&'static str),
+    /// Message `i` in aggregate `i % k`: `k` aggregates, their messages interleaved.
+    Spread(usize),
+}
+
+impl Keys {
+    fn of(self, i: usize) -> Option<String> {
+        match self {
+            Keys::Unordered => None,
+            Keys::One(key) => Some(key.to_owned()),
+            Keys::Spread(k) => Some(format!("a{}", i % k)),
+        }
+    }
+}
+
+/// Stops a relay process with SIGTERM (it drains and exits) and waits for it.
+pub(crate) fn stop_process(mut child: std::process::Child) -> BoxResult<()> {
+    std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()?;
+    child.wait()?;
+    Ok(())
 }
 
 /// Runs an in-process relay until dropped.

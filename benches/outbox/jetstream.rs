@@ -2,7 +2,6 @@
 //! (1 KiB, `Nats-Msg-Id` set) with pipelined acknowledgements, both to one file-backed
 //! stream, with the CPU of each process.
 
-use std::process::Command;
 use std::time::Instant;
 
 use async_nats::HeaderMap;
@@ -12,7 +11,7 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use serde_json::json;
 
-use crate::fixture::Env;
+use crate::fixture::{Env, Keys, stop_process};
 use crate::measure::{cpu_seconds, cpu_share};
 use crate::{BoxResult, Figure, KIB};
 
@@ -67,7 +66,7 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let relay_prefix = format!("{prefix}relay.");
     let batch_arg = batch.to_string();
     let nats_url = env.nats_url.clone();
-    let (mut child, started) = env
+    let (child, started) = env
         .relay_process_with_backlog(
             &outbox,
             &[
@@ -80,6 +79,7 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
             ],
             &[("NATS_URL", &nats_url)],
             n,
+            Keys::Unordered,
         )
         .await?;
     let pid = child.id();
@@ -93,10 +93,7 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
         cpu_seconds(Some(pid)),
         (done - started).as_secs_f64(),
     );
-    Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()?;
-    child.wait()?;
+    stop_process(child)?;
     let stored = js
         .get_stream(format!("{stream_name}_relay"))
         .await?

@@ -13,6 +13,7 @@
 //! the tests' own fixtures. Prints one JSON line per figure as it is measured, then a table.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod after_outage;
 #[path = "../../tests/common/mod.rs"]
 mod common;
 mod consumer;
@@ -21,6 +22,7 @@ mod fixture;
 mod history;
 mod jetstream;
 mod latency;
+mod many_aggregates;
 mod measure;
 mod one_aggregate;
 mod throughput;
@@ -71,6 +73,12 @@ enum Scenario {
     /// (f) the claim on a long history.
     #[value(alias = "f")]
     History,
+    /// (h) many short aggregates against no aggregate keys.
+    #[value(alias = "h")]
+    ManyAggregates,
+    /// (i) the backlog of a broker outage, drained once the broker is back.
+    #[value(alias = "i")]
+    AfterOutage,
     /// (j) the consumer runner against a hand-written consumer.
     #[value(alias = "j")]
     Consumer,
@@ -139,6 +147,19 @@ async fn main() -> BoxResult<()> {
         channel,
         quick: args.quick,
     };
+    // The benchmark's own connection fills tables and polls for progress: not the work of
+    // what is measured.
+    #[derive(diesel::QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    let pid: Pid = diesel_async::RunQueryDsl::get_result(
+        diesel::sql_query("SELECT pg_backend_pid() AS pid"),
+        &mut env.conn,
+    )
+    .await?;
+    measure::leave_out_backend(u32::try_from(pid.pid)?);
     let run = |s: Scenario| args.only.is_empty() || args.only.contains(&s);
     let started = Instant::now();
     let mut figures = Vec::new();
@@ -160,6 +181,12 @@ async fn main() -> BoxResult<()> {
         }
         if run(Scenario::History) {
             figures.push(history::history(&mut env).await?);
+        }
+        if run(Scenario::ManyAggregates) {
+            figures.extend(many_aggregates::many_aggregates(&mut env).await?);
+        }
+        if run(Scenario::AfterOutage) {
+            figures.extend(after_outage::after_outage(&mut env).await?);
         }
         if run(Scenario::Consumer) {
             figures.extend(consumer::consumer(&mut env).await?);

@@ -5,23 +5,23 @@ use std::time::{Duration, Instant};
 use lapin::options::ConfirmSelectOptions;
 use serde_json::json;
 
-use crate::fixture::{Env, RunningRelay, raw_publish};
+use crate::fixture::{Env, Keys, RunningRelay, raw_publish};
+use crate::measure::Cpu;
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let n = 2_000;
     let (exchange, queue) = env.queue("aggregate").await?;
     let mut rates = Vec::new();
-    for aggregate in [Some("order-1"), None] {
-        let outbox = env
-            .outbox(if aggregate.is_some() {
-                "one_aggregate"
-            } else {
-                "unordered"
-            })
-            .await?;
-        env.fill(&outbox, n, aggregate).await?;
+    let mut cpu = Vec::new();
+    for (keys, name) in [
+        (Keys::One("order-1"), "one_aggregate"),
+        (Keys::Unordered, "unordered"),
+    ] {
+        let outbox = env.outbox(name).await?;
+        env.fill(&outbox, n, keys).await?;
         let started = Instant::now();
+        let window = Cpu::start(None);
         let relay = RunningRelay::start(
             outbox
                 .relay(env.pool.clone(), env.publisher(&exchange).await?)
@@ -32,6 +32,7 @@ pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
             .wait_sent(&outbox, n as u64, Duration::from_secs(300))
             .await?;
         rates.push(n as f64 / (done - started).as_secs_f64());
+        cpu.push(window.per(n));
         relay.stop().await?;
         env.purge(&queue).await?;
     }
@@ -43,30 +44,32 @@ pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .await?;
     let payload = vec![b'x'; KIB];
     let started = Instant::now();
+    let window = Cpu::start(None);
     for i in 0..n {
         raw_publish(&channel, &exchange, &payload, format!("one{i}"))
             .await?
             .await?;
     }
     let one_at_a_time = n as f64 / started.elapsed().as_secs_f64();
+    let raw_cpu = window.per(n);
     env.drop_queue(&queue).await?;
-    let params =
-        json!({ "messages": n, "payload_bytes": KIB, "publisher": "RabbitMQ", "batch_size": 256 });
+    // The relay runs inside the benchmark process: its CPU is the `bench` column.
+    let params = json!({ "messages": n, "payload_bytes": KIB, "publisher": "RabbitMQ", "batch_size": 256, "cpu_one_aggregate": cpu[0], "cpu_unordered": cpu[1], "cpu_raw_one_at_a_time": raw_cpu });
     let figures = vec![
-        Figure {
-            name: "e. one aggregate, 2,000 queued",
-            value: rates[0],
-            unit: "msg/s",
-            baseline: Some(("2,000 unordered", rates[1])),
-            target: ">= 0.25 x",
-            params: params.clone(),
-        },
         Figure {
             name: "e. one aggregate vs raw lapin one at a time",
             value: rates[0],
             unit: "msg/s",
             baseline: Some(("raw lapin, each publish awaits its confirm", one_at_a_time)),
-            target: "(ceiling)",
+            target: ">= 0.90 x",
+            params: params.clone(),
+        },
+        Figure {
+            name: "e. one aggregate vs 2,000 unordered",
+            value: rates[0],
+            unit: "msg/s",
+            baseline: Some(("2,000 unordered", rates[1])),
+            target: "-",
             params,
         },
     ];

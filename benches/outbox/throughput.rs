@@ -3,7 +3,6 @@
 //! mark-sent loop over as many rows; (a″) the relay process's CPU per message against raw
 //! lapin's; (g) the relay's peak memory.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -16,7 +15,7 @@ use futures_util::stream::FuturesUnordered;
 use lapin::options::ConfirmSelectOptions;
 use serde_json::json;
 
-use crate::fixture::{Env, raw_publish};
+use crate::fixture::{Env, Keys, raw_publish, stop_process};
 use crate::measure::{
     BROKER, CLIENT, EXTRA, POSTGRES, cpu_seconds, cpu_share, micros_per, status_kib,
 };
@@ -61,12 +60,13 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     // The relay, as its own process (the operator binary), so its memory can be read.
     let outbox = env.outbox("throughput").await?;
     let batch_arg = batch.to_string();
-    let (mut child, started) = env
+    let (child, started) = env
         .relay_process_with_backlog(
             &outbox,
             &["--exchange", &exchange, "--batch-size", &batch_arg],
             &[("AMQP_URL", &env.amqp_url.clone())],
             n,
+            Keys::Unordered,
         )
         .await?;
     let pid = child.id();
@@ -94,15 +94,12 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         rss_peak.store(kib, Ordering::SeqCst);
     }
     sampler.abort();
-    Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()?;
-    child.wait()?;
+    stop_process(child)?;
     env.purge(&queue).await?;
 
     // The bare loop: claim a batch and mark it sent, over as many rows, no broker.
     let bare = env.outbox("bare").await?;
-    env.fill(&bare, n, None).await?;
+    env.fill(&bare, n, Keys::Unordered).await?;
     env.conn.batch_execute("CHECKPOINT").await?;
     let bare_claim = format!(
         "WITH picked AS MATERIALIZED (SELECT id FROM {t} WHERE status = 'pending' \
@@ -144,7 +141,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
 
     // The naive relay: claim one row, publish, await the confirm, mark it sent.
     let naive = env.outbox("naive").await?;
-    env.fill(&naive, naive_n, None).await?;
+    env.fill(&naive, naive_n, Keys::Unordered).await?;
     let naive_channel = env.amqp.create_channel().await?;
     naive_channel
         .confirm_select(ConfirmSelectOptions::default())
