@@ -47,9 +47,10 @@ pub(super) const MAX_STALLED: usize = 3 * PIPELINE;
 pub(super) const MAX_BATCHES: usize = 2 * PIPELINE + MAX_STALLED;
 /// At shutdown, recording outcomes may take this long after the drain timeout.
 pub(super) const RECORD_GRACE: Duration = Duration::from_secs(1);
-/// While batches are in flight, the relay looks for new work this often, and half as often
-/// after each look that found nothing, down to once per [`BUSY_POLL_MAX`] (and never less
-/// often than the poll interval).
+/// While batches are in flight, the relay looks for new work this often, and a quarter as
+/// often after each look that found nothing, down to once per [`BUSY_POLL_MAX`] (and never
+/// less often than the poll interval). A look is a claim, which behind a long run of one
+/// aggregate reads every row of the run: looks that keep finding nothing thin out fast.
 const BUSY_POLL: Duration = Duration::from_millis(1);
 /// The longest wait between looks for new work while batches are in flight.
 const BUSY_POLL_MAX: Duration = Duration::from_millis(160);
@@ -411,7 +412,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
     /// again at once. While the broker is unavailable, wait for the next try.
     async fn wait_busy(&mut self, backing_off: Option<Instant>, room: bool) -> Turn {
         let options = &self.relay.inner.options;
-        let busy_poll = (BUSY_POLL * 2u32.saturating_pow(self.fruitless.min(8)))
+        let busy_poll = (BUSY_POLL * 4u32.saturating_pow(self.fruitless.min(4)))
             .min(BUSY_POLL_MAX)
             .min(options.poll_interval);
         let next_look = backing_off.unwrap_or_else(|| Instant::now() + busy_poll);
