@@ -104,7 +104,7 @@
 //!   as a whole (capped exponential, at most 5 s, reset by the first publish that works),
 //!   logs the outage once at warn and every minute at error, calls [`Metrics::blocked`] and
 //!   [`Metrics::unblocked`], and [`Stats::blocked_for`] shows it. A broker down for an hour
-//!   dead-letters nothing, and the backlog starts to drain within 5 s of its return.
+//!   dead-letters nothing, and the backlog starts to drain within seconds of its return.
 //!
 //! Shutdown ([`Relay::run_until`]) drains publishes under way for `drain_timeout`, releases
 //! the rest without spending their attempts, and returns within the drain timeout and about

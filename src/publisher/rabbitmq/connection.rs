@@ -12,8 +12,12 @@ use super::RabbitMqPublisher;
 use crate::backoff::Backoff;
 use crate::publisher::PublishError;
 
+/// The first wait after a failed connect.
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
-const RECONNECT_MAX: Duration = Duration::from_secs(10);
+/// The longest wait between connects: short beside the relay's own outage backoff (at most
+/// 5 s between tries), so that a try of the relay after the broker is back finds the
+/// publisher ready to connect rather than refusing for seconds more.
+const RECONNECT_MAX: Duration = Duration::from_secs(1);
 
 /// The current connection, its idle confirm channels, and when a failed reconnect may be
 /// tried again.
