@@ -48,7 +48,7 @@ pub(crate) async fn after_outage(env: &mut Env) -> BoxResult<Vec<Figure>> {
     env.purge(&queue).await?;
 
     // The outage: the relay is running when the broker goes away; writers go on committing
-    // for the whole outage (every message waking the relay), then the broker comes back.
+    // for the whole outage (each commit waking the relay), then the broker comes back.
     let outbox = env.outbox("after_outage").await?;
     let child = env.relay_process(&outbox, &args, &envs).await?;
     proxy.set_down(true);

@@ -176,7 +176,7 @@ impl Env {
         args: &[&str],
         envs: &[(&str, &str)],
     ) -> BoxResult<std::process::Child> {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_diesel-outbox"))
             .args(["--table", outbox.table(), "relay"])
             .args(args)
             .env("DATABASE_URL", &self.database_url)
@@ -185,7 +185,12 @@ impl Env {
             .env("RUST_LOG", "warn,lapin=off")
             .stdout(std::process::Stdio::null())
             .spawn()?;
-        self.wait_idle(outbox).await?;
+        if let Err(e) = self.wait_idle(outbox).await {
+            // Not left running on a table the run is about to drop.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
         Ok(child)
     }
 
