@@ -13,8 +13,9 @@ pub(crate) fn leave_out_backend(pid: u32) {
     WATCHER_BACKEND.store(pid, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// CPU seconds used so far by the brokers (RabbitMQ and nats-server), the database server and this process (and one
-/// more process, if given), to show what limits a figure.
+/// CPU seconds used so far by the brokers (RabbitMQ and nats-server), the database server
+/// (but for the backend left out by [`leave_out_backend`]) and this process (and one more
+/// process, if given), to show what limits a figure.
 pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
     let ticks = |pid: &str| -> f64 {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
