@@ -7,13 +7,13 @@ use serde_json::json;
 
 use crate::common::proxy::FaultProxy;
 use crate::fixture::{Env, Keys, stop_process};
-use crate::measure::Cpu;
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn after_outage(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let n = env.scale(50_000, 10_000);
     let outage = Duration::from_secs(env.scale(60, 10) as u64);
-    let max_attempts = "3";
+    let max_attempts = 3;
+    let max_attempts_arg = max_attempts.to_string();
     let (exchange, queue) = env.queue("outage").await?;
     // Both arms reach the broker through a proxy, so that the outage can be made without
     // touching the broker and the baseline pays the same forwarding.
@@ -29,22 +29,15 @@ pub(crate) async fn after_outage(env: &mut Env) -> BoxResult<Vec<Figure>> {
         "--batch-size",
         "512",
         "--max-attempts",
-        max_attempts,
+        &max_attempts_arg,
     ];
     let envs = [("AMQP_URL", via_proxy.as_str())];
 
     // Baseline: (a)'s run through the proxy: the backlog committed at once, no outage.
     let outbox = env.outbox("outage_baseline").await?;
-    let (child, started) = env
-        .relay_process_with_backlog(&outbox, &args, &envs, n, Keys::Unordered)
+    let baseline = env
+        .drain_by_relay_process(&outbox, &args, &envs, n, Keys::Unordered)
         .await?;
-    let window = Cpu::start(Some(child.id()));
-    let done = env
-        .wait_sent(&outbox, n as u64, Duration::from_secs(600))
-        .await?;
-    let baseline_rate = n as f64 / (done - started).as_secs_f64();
-    let baseline_cpu = window.per(n);
-    stop_process(child)?;
     env.purge(&queue).await?;
 
     // The outage: the relay is running when the broker goes away; writers go on committing
@@ -69,7 +62,7 @@ pub(crate) async fn after_outage(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let n = steps * per_step;
     proxy.set_down(false);
     let back = Instant::now();
-    let window = Cpu::start(Some(child.id()));
+    let window = env.cpu(Some(child.id()));
     let resumed = env
         .wait_until(
             &outbox,
@@ -78,7 +71,7 @@ pub(crate) async fn after_outage(env: &mut Env) -> BoxResult<Vec<Figure>> {
         )
         .await?;
     let done = env.wait_drained(&outbox, Duration::from_secs(600)).await?;
-    let cpu = window.per(n);
+    let cpu = window.used(n).json();
     stop_process(child)?;
     let stats = outbox.stats(&mut env.conn).await?;
     let retried = env.count(&outbox, "attempts > 1").await?;
@@ -90,14 +83,14 @@ pub(crate) async fn after_outage(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let drain_rate = n as f64 / (done - resumed).as_secs_f64();
     let from_back_rate = n as f64 / (done - back).as_secs_f64();
     let params = json!({
-        "messages": n, "payload_bytes": KIB, "outage_s": outage.as_secs(), "max_attempts": 3,
+        "messages": n, "payload_bytes": KIB, "outage_s": outage.as_secs(), "max_attempts": max_attempts,
         "batch_size": 512, "dead_letters": stats.dead, "sent": stats.sent,
         "rows_with_more_than_one_attempt": retried,
         "resumed_after_ms": (resumed - back).as_millis() as u64,
-        "cpu_after_outage": cpu, "cpu_baseline": baseline_cpu,
+        "cpu_after_outage": cpu, "cpu_baseline": baseline.cpu.json(),
         "baseline": "the same relay and proxy, the backlog committed at once (a's run)",
     });
-    let baseline = Some(("no outage (a's run, same proxy)", baseline_rate));
+    let baseline = Some(("no outage (a's run, same proxy)", baseline.rate));
     let figures = vec![
         Figure {
             name: "i. drain after a broker outage",

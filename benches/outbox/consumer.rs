@@ -15,7 +15,6 @@ use lapin::types::FieldTable;
 use serde_json::json;
 
 use crate::fixture::{Env, raw_publish};
-use crate::measure::Cpu;
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
@@ -46,7 +45,7 @@ pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
             confirm.await?;
         }
         let started = Instant::now();
-        let window = Cpu::start(None);
+        let window = env.cpu(None);
         if runs_runner {
             runner(env, &outbox, &queue, &effects, n, concurrency).await?;
         } else {
@@ -57,7 +56,7 @@ pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
             concurrency,
             n as f64 / started.elapsed().as_secs_f64(),
         ));
-        let mut used = window.per(n);
+        let mut used = window.used(n).json();
         used["round"] = json!(if runs_runner {
             format!("runner x{concurrency}")
         } else {

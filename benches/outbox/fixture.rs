@@ -14,6 +14,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 
+use crate::measure::{Cpu, CpuUse, status_kib};
 use crate::{BoxResult, KIB};
 
 /// What every scenario runs on.
@@ -23,6 +24,8 @@ pub(crate) struct Env {
     pub(crate) nats_url: String,
     pub(crate) schema: String,
     pub(crate) conn: AsyncPgConnection,
+    /// The PostgreSQL backend of `conn`, left out of every CPU reading.
+    pub(crate) conn_backend: u32,
     pub(crate) pool: PgPool,
     pub(crate) amqp: Connection,
     pub(crate) channel: Channel,
@@ -32,6 +35,12 @@ pub(crate) struct Env {
 impl Env {
     pub(crate) fn scale(&self, full: usize, quick: usize) -> usize {
         if self.quick { quick } else { full }
+    }
+
+    /// Starts reading each process's CPU; `relay` is the relay's process, when it runs as
+    /// one. The benchmark's own connection is left out of PostgreSQL's share.
+    pub(crate) fn cpu(&self, relay: Option<u32>) -> Cpu {
+        Cpu::start(relay, self.conn_backend)
     }
 
     pub(crate) async fn outbox(&mut self, name: &str) -> BoxResult<Outbox> {
@@ -194,25 +203,42 @@ impl Env {
         Ok(child)
     }
 
-    /// Starts a relay process on the empty `outbox` as [`Env::relay_process`] does, then
-    /// commits a backlog of `n` messages (aggregate keys as `keys` says) in one transaction,
-    /// whose commit wakes it, so a figure leaves out the process's start-up. The checkpoint
-    /// (from another connection, while the backlog is uncommitted) flushes the backlog's
-    /// pages too. Returns the process and the moment of the commit.
-    pub(crate) async fn relay_process_with_backlog(
+    /// Starts a relay process on the empty `outbox` as [`Env::relay_process`] does, commits
+    /// a backlog of `n` messages (aggregate keys as `keys` says) in one transaction, whose
+    /// commit wakes it, so the figure leaves out the process's start-up, and stops the
+    /// process once the backlog is sent. The checkpoint (from another connection, while the
+    /// backlog is uncommitted) flushes the backlog's pages too. Returns the rate from the
+    /// commit to the last message sent, each process's CPU per message over that time, and
+    /// the process's peak resident memory.
+    pub(crate) async fn drain_by_relay_process(
         &mut self,
         outbox: &Outbox,
         args: &[&str],
         envs: &[(&str, &str)],
         n: usize,
         keys: Keys,
-    ) -> BoxResult<(std::process::Child, Instant)> {
+    ) -> BoxResult<Drained> {
         let child = self.relay_process(outbox, args, envs).await?;
-        self.conn.batch_execute("BEGIN").await?;
-        self.enqueue_range(outbox, 0..n, keys).await?;
-        self.pool.get().await?.batch_execute("CHECKPOINT").await?;
-        self.conn.batch_execute("COMMIT").await?;
-        Ok((child, Instant::now()))
+        let drained = async {
+            self.conn.batch_execute("BEGIN").await?;
+            self.enqueue_range(outbox, 0..n, keys).await?;
+            self.pool.get().await?.batch_execute("CHECKPOINT").await?;
+            self.conn.batch_execute("COMMIT").await?;
+            let started = Instant::now();
+            let window = self.cpu(Some(child.id()));
+            let done = self
+                .wait_sent(outbox, n as u64, Duration::from_secs(600))
+                .await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Drained {
+                rate: n as f64 / (done - started).as_secs_f64(),
+                cpu: window.used(n),
+                // The high-water mark since the process started.
+                peak_rss_kib: status_kib(child.id(), "VmHWM:"),
+            })
+        }
+        .await;
+        stop_process(child)?;
+        drained
     }
 
     /// Polls (cheaply, so the poll does not load the database) until no row is pending,
@@ -291,6 +317,14 @@ impl Env {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// A backlog drained by a relay process ([`Env::drain_by_relay_process`]).
+pub(crate) struct Drained {
+    /// Messages per second.
+    pub(crate) rate: f64,
+    pub(crate) cpu: CpuUse,
+    pub(crate) peak_rss_kib: Option<u64>,
 }
 
 /// The aggregate keys of a backlog.

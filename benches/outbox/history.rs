@@ -7,7 +7,6 @@ use diesel_outbox::{PublishError, Publisher, Record};
 use serde_json::json;
 
 use crate::fixture::{Env, Keys, RunningRelay};
-use crate::measure::Cpu;
 use crate::{BoxResult, Figure};
 
 /// Acks at once: isolates the database side of claim and mark.
@@ -47,7 +46,7 @@ pub(crate) async fn history(env: &mut Env) -> BoxResult<Figure> {
         // Both runs start from a fresh checkpoint, so neither pays for the other's writes.
         env.conn.batch_execute("CHECKPOINT").await?;
         let started = Instant::now();
-        let window = Cpu::start(None);
+        let window = env.cpu(None);
         let relay = RunningRelay::start(
             outbox
                 .relay(env.pool.clone(), Ack)
@@ -61,7 +60,7 @@ pub(crate) async fn history(env: &mut Env) -> BoxResult<Figure> {
             .wait_sent(&outbox, total, Duration::from_secs(300))
             .await?;
         rates.push(n as f64 / (done - started).as_secs_f64());
-        cpu.push(window.per(n));
+        cpu.push(window.used(n).json());
         relay.stop().await?;
     }
     let f = Figure {

@@ -11,8 +11,7 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use serde_json::json;
 
-use crate::fixture::{Env, Keys, stop_process};
-use crate::measure::{cpu_seconds, cpu_share};
+use crate::fixture::{Env, Keys};
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
@@ -38,7 +37,7 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let window = 512;
     let subject = format!("{prefix}raw.bench.event");
     let started = Instant::now();
-    let cpu_before = cpu_seconds(None);
+    let raw_window = env.cpu(None);
     let mut in_flight = FuturesUnordered::new();
     for i in 0..n {
         if in_flight.len() >= window {
@@ -55,19 +54,15 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
         ack?;
     }
     let raw_rate = n as f64 / started.elapsed().as_secs_f64();
-    let raw_cpu = cpu_share(
-        cpu_before,
-        cpu_seconds(None),
-        started.elapsed().as_secs_f64(),
-    );
+    let raw_cpu = raw_window.used(n);
 
     // The relay process, started on an empty table; the backlog arrives in one commit.
     let outbox = env.outbox("jetstream").await?;
     let relay_prefix = format!("{prefix}relay.");
     let batch_arg = batch.to_string();
     let nats_url = env.nats_url.clone();
-    let (child, started) = env
-        .relay_process_with_backlog(
+    let relay = env
+        .drain_by_relay_process(
             &outbox,
             &[
                 "--broker",
@@ -82,18 +77,6 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
             Keys::Unordered,
         )
         .await?;
-    let pid = child.id();
-    let cpu_before = cpu_seconds(Some(pid));
-    let done = env
-        .wait_sent(&outbox, n as u64, std::time::Duration::from_secs(600))
-        .await?;
-    let relay_rate = n as f64 / (done - started).as_secs_f64();
-    let relay_cpu = cpu_share(
-        cpu_before,
-        cpu_seconds(Some(pid)),
-        (done - started).as_secs_f64(),
-    );
-    stop_process(child)?;
     let stored = js
         .get_stream(format!("{stream_name}_relay"))
         .await?
@@ -108,10 +91,10 @@ pub(crate) async fn jetstream(env: &mut Env) -> BoxResult<Vec<Figure>> {
         return Err(format!("the relay's stream holds {stored} messages, not {n}").into());
     }
 
-    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "storage": "file", "cpu_raw": raw_cpu, "cpu_relay": relay_cpu });
+    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "storage": "file", "cpu_raw": raw_cpu.json(), "cpu_relay": relay.cpu.json() });
     let figure = Figure {
         name: "k. relay to JetStream vs raw async-nats",
-        value: relay_rate,
+        value: relay.rate,
         unit: "msg/s",
         baseline: Some(("raw async-nats, pipelined acks", raw_rate)),
         target: ">= 0.90 x",

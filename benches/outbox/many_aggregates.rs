@@ -1,11 +1,8 @@
 //! (h) A backlog of many short aggregates against the same backlog without aggregate keys.
 
-use std::time::Duration;
-
 use serde_json::json;
 
-use crate::fixture::{Env, Keys, stop_process};
-use crate::measure::Cpu;
+use crate::fixture::{Env, Keys};
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn many_aggregates(env: &mut Env) -> BoxResult<Vec<Figure>> {
@@ -21,8 +18,8 @@ pub(crate) async fn many_aggregates(env: &mut Env) -> BoxResult<Vec<Figure>> {
         (Keys::Unordered, "many_unordered"),
     ] {
         let outbox = env.outbox(name).await?;
-        let (child, started) = env
-            .relay_process_with_backlog(
+        let drained = env
+            .drain_by_relay_process(
                 &outbox,
                 &["--exchange", &exchange, "--batch-size", "512"],
                 &[("AMQP_URL", &env.amqp_url.clone())],
@@ -30,13 +27,8 @@ pub(crate) async fn many_aggregates(env: &mut Env) -> BoxResult<Vec<Figure>> {
                 keys,
             )
             .await?;
-        let window = Cpu::start(Some(child.id()));
-        let done = env
-            .wait_sent(&outbox, n as u64, Duration::from_secs(600))
-            .await?;
-        rates.push(n as f64 / (done - started).as_secs_f64());
-        cpu.push(window.per(n));
-        stop_process(child)?;
+        rates.push(drained.rate);
+        cpu.push(drained.cpu.json());
         env.purge(&queue).await?;
     }
     env.drop_queue(&queue).await?;

@@ -4,19 +4,10 @@ use serde_json::json;
 
 use crate::round;
 
-/// The PostgreSQL backend of the benchmark's own connection, which fills tables and polls
-/// for progress: left out of the PostgreSQL figure, which is the work of what is measured.
-static WATCHER_BACKEND: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-/// Leaves the backend `pid` out of every later PostgreSQL reading.
-pub(crate) fn leave_out_backend(pid: u32) {
-    WATCHER_BACKEND.store(pid, std::sync::atomic::Ordering::SeqCst);
-}
-
 /// CPU seconds used so far by the brokers (RabbitMQ and nats-server), the database server
-/// (but for the backend left out by [`leave_out_backend`]) and this process (and one more
-/// process, if given), to show what limits a figure.
-pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
+/// (but for the backend `leave_out`) and this process (and one more process, if given), in
+/// the order of [`BROKER`], [`POSTGRES`], [`CLIENT`], [`EXTRA`].
+fn cpu_seconds(extra: Option<u32>, leave_out: u32) -> [f64; 4] {
     let ticks = |pid: &str| -> f64 {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .ok()
@@ -28,7 +19,6 @@ pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
             .unwrap_or(0.0)
             / 100.0
     };
-    let watcher = WATCHER_BACKEND.load(std::sync::atomic::Ordering::SeqCst);
     let mut by_name = [0.0; 2];
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for entry in dir.flatten() {
@@ -39,7 +29,7 @@ pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
             match comm.trim() {
                 "beam.smp" | "nats-server" => by_name[0] += ticks(&pid),
-                "postgres" if pid.parse() != Ok(watcher) => by_name[1] += ticks(&pid),
+                "postgres" if pid.parse() != Ok(leave_out) => by_name[1] += ticks(&pid),
                 _ => {}
             }
         }
@@ -52,59 +42,67 @@ pub(crate) fn cpu_seconds(extra: Option<u32>) -> [f64; 4] {
     ]
 }
 
-/// Indexes into [`cpu_seconds`]: the brokers, PostgreSQL, the benchmark process, the extra
-/// process.
+/// Indexes into [`CpuUse`]: the brokers, PostgreSQL, the benchmark process (with any relay
+/// or consumer running inside it), the relay's own process.
 pub(crate) const BROKER: usize = 0;
 pub(crate) const POSTGRES: usize = 1;
 pub(crate) const CLIENT: usize = 2;
 pub(crate) const EXTRA: usize = 3;
 
-/// CPU microseconds per item of each process between two readings of [`cpu_seconds`].
-pub(crate) fn micros_per(before: [f64; 4], after: [f64; 4], items: usize) -> [f64; 4] {
-    std::array::from_fn(|i| (after[i] - before[i]) * 1e6 / items.max(1) as f64)
-}
-
-/// A timed window over which each process's CPU is read: started with [`Cpu::start`], read
-/// with [`Cpu::per`].
+/// A timed window over which each process's CPU is read (`Env::cpu` starts one).
 pub(crate) struct Cpu {
     before: [f64; 4],
     extra: Option<u32>,
+    leave_out: u32,
     started: std::time::Instant,
 }
 
+/// What each process used over a [`Cpu`] window.
+pub(crate) struct CpuUse {
+    /// CPU microseconds per item.
+    pub(crate) us: [f64; 4],
+    /// Cores in use on average.
+    cores: [f64; 4],
+}
+
 impl Cpu {
-    /// Starts the window now; `extra` is the relay's process, when it runs as one.
-    pub(crate) fn start(extra: Option<u32>) -> Cpu {
+    /// Starts the window now; `extra` is the relay's process, when it runs as one, and the
+    /// PostgreSQL backend `leave_out` is not counted.
+    pub(crate) fn start(extra: Option<u32>, leave_out: u32) -> Cpu {
         Cpu {
-            before: cpu_seconds(extra),
+            before: cpu_seconds(extra, leave_out),
             extra,
+            leave_out,
             started: std::time::Instant::now(),
         }
     }
 
-    /// The cores each process used since the start and its CPU microseconds per item, as
-    /// JSON for a figure's parameters (`bench` is this process, with any relay or consumer
-    /// that runs inside it; `relay` the relay's own process).
-    pub(crate) fn per(&self, items: usize) -> serde_json::Value {
-        let after = cpu_seconds(self.extra);
+    /// What each process used from the start until now, per item of `items`.
+    pub(crate) fn used(&self, items: usize) -> CpuUse {
+        let after = cpu_seconds(self.extra, self.leave_out);
         let wall = self.started.elapsed().as_secs_f64();
-        let us = micros_per(self.before, after, items);
-        let mut v = cpu_share(self.before, after, wall);
-        for (i, name) in [
-            (BROKER, "broker_us"),
-            (POSTGRES, "postgres_us"),
-            (CLIENT, "bench_us"),
-            (EXTRA, "relay_us"),
-        ] {
-            v[name] = json!(round(us[i]));
+        CpuUse {
+            us: std::array::from_fn(|i| (after[i] - self.before[i]) * 1e6 / items.max(1) as f64),
+            cores: std::array::from_fn(|i| (after[i] - self.before[i]) / wall),
         }
-        v
     }
 }
 
-pub(crate) fn cpu_share(before: [f64; 4], after: [f64; 4], wall: f64) -> serde_json::Value {
-    let share = |i: usize| round((after[i] - before[i]) / wall);
-    json!({ "broker_cores": share(0), "postgres_cores": share(1), "bench_cores": share(2), "relay_cores": share(3) })
+impl CpuUse {
+    /// As JSON for a figure's parameters.
+    pub(crate) fn json(&self) -> serde_json::Value {
+        let mut v = json!({});
+        for (i, name) in [
+            (BROKER, "broker"),
+            (POSTGRES, "postgres"),
+            (CLIENT, "bench"),
+            (EXTRA, "relay"),
+        ] {
+            v[format!("{name}_cores")] = json!(round(self.cores[i]));
+            v[format!("{name}_us")] = json!(round(self.us[i]));
+        }
+        v
+    }
 }
 
 /// A field of `/proc/<pid>/status`, in KiB.

@@ -6,7 +6,6 @@ use lapin::options::ConfirmSelectOptions;
 use serde_json::json;
 
 use crate::fixture::{Env, Keys, RunningRelay, raw_publish};
-use crate::measure::Cpu;
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
@@ -21,7 +20,7 @@ pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
         let outbox = env.outbox(name).await?;
         env.fill(&outbox, n, keys).await?;
         let started = Instant::now();
-        let window = Cpu::start(None);
+        let window = env.cpu(None);
         let relay = RunningRelay::start(
             outbox
                 .relay(env.pool.clone(), env.publisher(&exchange).await?)
@@ -32,7 +31,7 @@ pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
             .wait_sent(&outbox, n as u64, Duration::from_secs(300))
             .await?;
         rates.push(n as f64 / (done - started).as_secs_f64());
-        cpu.push(window.per(n));
+        cpu.push(window.used(n).json());
         relay.stop().await?;
         env.purge(&queue).await?;
     }
@@ -44,14 +43,14 @@ pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .await?;
     let payload = vec![b'x'; KIB];
     let started = Instant::now();
-    let window = Cpu::start(None);
+    let window = env.cpu(None);
     for i in 0..n {
         raw_publish(&channel, &exchange, &payload, format!("one{i}"))
             .await?
             .await?;
     }
     let one_at_a_time = n as f64 / started.elapsed().as_secs_f64();
-    let raw_cpu = window.per(n);
+    let raw_cpu = window.used(n).json();
     env.drop_queue(&queue).await?;
     // The relay runs inside the benchmark process: its CPU is the `bench` column.
     let params = json!({ "messages": n, "payload_bytes": KIB, "publisher": "RabbitMQ", "batch_size": 256, "cpu_one_aggregate": cpu[0], "cpu_unordered": cpu[1], "cpu_raw_one_at_a_time": raw_cpu });

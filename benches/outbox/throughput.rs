@@ -3,9 +3,7 @@
 //! mark-sent loop over as many rows; (a″) the relay process's CPU per message against raw
 //! lapin's; (g) the relay's peak memory.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bytea, Text};
@@ -15,10 +13,8 @@ use futures_util::stream::FuturesUnordered;
 use lapin::options::ConfirmSelectOptions;
 use serde_json::json;
 
-use crate::fixture::{Env, Keys, raw_publish, stop_process};
-use crate::measure::{
-    BROKER, CLIENT, EXTRA, POSTGRES, cpu_seconds, cpu_share, micros_per, status_kib,
-};
+use crate::fixture::{Env, Keys, raw_publish};
+use crate::measure::{CLIENT, EXTRA, POSTGRES};
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
@@ -40,7 +36,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
     let started = Instant::now();
-    let cpu_before = cpu_seconds(None);
+    let raw_cpu_window = env.cpu(None);
     let mut in_flight = FuturesUnordered::new();
     for i in 0..n {
         if in_flight.len() >= window {
@@ -52,16 +48,14 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         confirm?;
     }
     let raw_rate = n as f64 / started.elapsed().as_secs_f64();
-    let cpu_after = cpu_seconds(None);
-    let raw_cpu = cpu_share(cpu_before, cpu_after, started.elapsed().as_secs_f64());
-    let raw_per_message = micros_per(cpu_before, cpu_after, n);
+    let raw_cpu = raw_cpu_window.used(n);
     env.purge(&queue).await?;
 
     // The relay, as its own process (the operator binary), so its memory can be read.
     let outbox = env.outbox("throughput").await?;
     let batch_arg = batch.to_string();
-    let (child, started) = env
-        .relay_process_with_backlog(
+    let relay = env
+        .drain_by_relay_process(
             &outbox,
             &["--exchange", &exchange, "--batch-size", &batch_arg],
             &[("AMQP_URL", &env.amqp_url.clone())],
@@ -69,32 +63,6 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
             Keys::Unordered,
         )
         .await?;
-    let pid = child.id();
-    let cpu_before = cpu_seconds(Some(pid));
-    let rss_peak = Arc::new(AtomicU64::new(0));
-    let sampler = {
-        let peak = rss_peak.clone();
-        tokio::spawn(async move {
-            loop {
-                if let Some(kib) = status_kib(pid, "VmHWM:") {
-                    peak.store(kib, Ordering::SeqCst);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
-    let done = env
-        .wait_sent(&outbox, n as u64, Duration::from_secs(600))
-        .await?;
-    let relay_rate = n as f64 / (done - started).as_secs_f64();
-    let cpu_after = cpu_seconds(Some(pid));
-    let relay_cpu = cpu_share(cpu_before, cpu_after, (done - started).as_secs_f64());
-    let relay_per_message = micros_per(cpu_before, cpu_after, n);
-    if let Some(kib) = status_kib(pid, "VmHWM:") {
-        rss_peak.store(kib, Ordering::SeqCst);
-    }
-    sampler.abort();
-    stop_process(child)?;
     env.purge(&queue).await?;
 
     // The bare loop: claim a batch and mark it sent, over as many rows, no broker.
@@ -121,7 +89,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         .batch_execute("SET enable_seqscan = off; SET enable_bitmapscan = off")
         .await?;
     let started = Instant::now();
-    let cpu_before = cpu_seconds(None);
+    let bare_window = env.cpu(None);
     let mut marked = 0;
     // A cursor past the rows already done, so no claim walks over their index entries.
     let mut last = 0i64;
@@ -142,7 +110,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     }
     assert_eq!(marked, n);
     let bare_rate = n as f64 / started.elapsed().as_secs_f64();
-    let bare_per_row = micros_per(cpu_before, cpu_seconds(None), n);
+    let bare_cpu = bare_window.used(n);
 
     // The naive relay: claim one row, publish, await the confirm, mark it sent.
     let naive = env.outbox("naive").await?;
@@ -196,12 +164,11 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let naive_rate = naive_n as f64 / started.elapsed().as_secs_f64();
     env.drop_queue(&queue).await?;
 
-    let cpu_per_message = |us: [f64; 4]| json!({ "broker_us": crate::round(us[BROKER]), "postgres_us": crate::round(us[POSTGRES]), "bench_us": crate::round(us[CLIENT]), "relay_us": crate::round(us[EXTRA]) });
-    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process", "cpu_raw": raw_cpu, "cpu_relay": relay_cpu, "cpu_per_message_raw": cpu_per_message(raw_per_message), "cpu_per_message_relay": cpu_per_message(relay_per_message), "cpu_per_row_bare_loop": cpu_per_message(bare_per_row), "bare_loop_rows_per_s": crate::round(bare_rate) });
+    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process", "cpu_raw": raw_cpu.json(), "cpu_relay": relay.cpu.json(), "cpu_bare_loop": bare_cpu.json(), "bare_loop_rows_per_s": crate::round(bare_rate) });
     let figures = vec![
         Figure {
             name: "a. relay vs raw lapin",
-            value: relay_rate,
+            value: relay.rate,
             unit: "msg/s",
             baseline: Some(("raw lapin, pipelined confirms", raw_rate)),
             target: ">= 0.90 x",
@@ -209,7 +176,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         },
         Figure {
             name: "a. relay vs naive relay",
-            value: relay_rate,
+            value: relay.rate,
             unit: "msg/s",
             baseline: Some(("naive relay", naive_rate)),
             target: ">= 10 x",
@@ -217,26 +184,29 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         },
         Figure {
             name: "a′. relay's PostgreSQL CPU per message",
-            value: relay_per_message[POSTGRES],
+            value: relay.cpu.us[POSTGRES],
             unit: "µs",
             baseline: Some((
                 "bare claim + mark-sent loop, per row",
-                bare_per_row[POSTGRES],
+                bare_cpu.us[POSTGRES],
             )),
             target: "<= 1.30 x",
             params: params.clone(),
         },
         Figure {
             name: "a″. relay process CPU per message",
-            value: relay_per_message[EXTRA],
+            value: relay.cpu.us[EXTRA],
             unit: "µs",
-            baseline: Some(("raw lapin client, per message", raw_per_message[CLIENT])),
+            baseline: Some(("raw lapin client, per message", raw_cpu.us[CLIENT])),
             target: "<= 1.20 x",
             params: params.clone(),
         },
         Figure {
             name: "g. relay peak RSS",
-            value: AtomicU64::load(&rss_peak, Ordering::SeqCst) as f64 / 1024.0,
+            value: relay
+                .peak_rss_kib
+                .ok_or("the relay's peak memory is unreadable")? as f64
+                / 1024.0,
             unit: "MiB",
             baseline: None,
             target: "<= 64 MiB",

@@ -17,7 +17,7 @@ use crate::publisher::PublishError;
 
 /// The longest wait between two tries while the broker is unavailable: a try costs a
 /// connection attempt and the claim and release of one batch, and a backlog starts to
-/// drain at most this long after the broker is back.
+/// drain about this long after the broker is back, at the most.
 pub(super) const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// While an outage lasts, it is logged again this often.
 const LOG_EVERY: Duration = Duration::from_secs(60);
