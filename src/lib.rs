@@ -92,6 +92,11 @@
 //!   outcomes at once and gives its publishing slot back, so the relay goes on claiming and
 //!   publishing; a confirmed message is never claimed again because a neighbour hung.
 //! - **A publisher future that panics** fails only its own record ("publisher panicked").
+//!   The panic hook runs on the relay's thread first, though, and with `RUST_BACKTRACE`
+//!   set its first run resolves symbols, which can take seconds on a loaded machine. A
+//!   batch stalled like that (or by a publisher that blocks its thread) may outlive its
+//!   lease: its relay never claims back rows it still holds, so its confirmed messages are
+//!   recorded sent, and only another relay can take the rows over (fencing this one off).
 //! - **A row that cannot be decoded** (headers that are not a JSON object of strings or
 //!   that serde cannot hold, such as `1e400`; an enqueue time such as `infinity`) dies
 //!   alone with its reason; so does a row the broker cannot take (for RabbitMQ: a header
@@ -107,8 +112,8 @@
 //!   dead-letters nothing, and the backlog starts to drain within seconds of its return.
 //!
 //! Shutdown ([`Relay::run_until`]) drains publishes under way for `drain_timeout`, releases
-//! the rest without spending their attempts, and returns within the drain timeout and about
-//! a second more.
+//! the rest without spending their attempts (a claim the database was making when the
+//! signal came included), and returns within the drain timeout and about a second more.
 //!
 //! Hazards, stated plainly:
 //! - Delivery is at least once: a crash between the broker's confirm and the outcome's

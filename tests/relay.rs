@@ -379,12 +379,21 @@ async fn a_row_that_hangs_every_relay_ends_dead_after_max_attempts() {
         .build()
         .unwrap();
 
-    // Each time: the relay hangs on the row and is dropped (a crash, as far as the row can
-    // tell); the next relay claims it after the lease.
+    // Each time: the relay hangs on the row and is dropped once the publish has started (a
+    // crash, as far as the row can tell); the next relay claims it after the lease. A relay
+    // dropped at a fixed time instead could be dropped between its claim and its publish on
+    // a slow machine: a crash before the publish, which spends the attempt all the same.
     let deadline = Instant::now() + DEADLINE;
     while f.row("poison").await.status != "dead" {
         assert!(Instant::now() < deadline, "the poison row never died");
-        let _ = tokio::time::timeout(Duration::from_millis(100), relay.run_once()).await;
+        tokio::select! {
+            claimed = relay.run_once() => {
+                // The row was still leased, or its last claim turned it dead.
+                claimed.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            () = hanging.started.notified() => {}
+        }
     }
     assert_eq!(hanging.calls(), 3, "published max_attempts times");
     let dead = f.row("poison").await;
@@ -484,6 +493,68 @@ async fn shutdown_mid_batch_drains_releases_and_loses_nothing() {
     all.dedup();
     assert_eq!(all.len(), before, "no key published twice");
     assert_eq!(all.len(), 40);
+}
+
+/// Shutdown right after the first publish starts, while the relay goes on claiming (30
+/// rows, batches of 10, two publishes at a time of 200 ms each, a lease of a minute): when
+/// `run_until` returns, every row is either sent on its first attempt or released with its
+/// attempt given back, none left leased for the rest of its minute. A claim the database
+/// is making when the signal comes is awaited and released. Ten runs, each signalled a
+/// millisecond later than the one before, so the signal meets the claims at other moments.
+#[tokio::test]
+async fn shutdown_leaves_no_claimed_row_leased() {
+    let mut f = fixture().await;
+    for run in 0..10u64 {
+        diesel::sql_query(format!("DELETE FROM {}", f.outbox.table()))
+            .execute(&mut f.conn)
+            .await
+            .unwrap();
+        let msgs: Vec<Message> = (0..30)
+            .map(|i| Message::new("t", "x").key(format!("r{run}-{i:02}")))
+            .collect();
+        f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+        let started = Arc::new(Notify::new());
+        let publisher = {
+            let started = started.clone();
+            publisher_fn(move |_| {
+                let started = started.clone();
+                async move {
+                    started.notify_one();
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    Ok(())
+                }
+            })
+        };
+        let relay = f
+            .outbox
+            .relay(f.pool.clone(), publisher)
+            .batch_size(10)
+            .concurrency(2)
+            .lease(Duration::from_secs(60))
+            .drain_timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let (stop, task) = spawn_relay(relay);
+        tokio::time::timeout(DEADLINE, started.notified())
+            .await
+            .expect("a publish starts");
+        tokio::time::sleep(Duration::from_millis(run)).await;
+        stop_relay(stop, task).await;
+
+        let stats = f.outbox.stats(&mut f.conn).await.unwrap();
+        assert_eq!(stats.in_flight, 0, "run {run}: rows left leased: {stats:?}");
+        assert_eq!(
+            f.count("status = 'sent' AND attempts <> 1").await,
+            0,
+            "run {run}: sent on the first attempt"
+        );
+        assert_eq!(
+            f.count("status = 'pending' AND attempts <> 0").await,
+            0,
+            "run {run}: attempts given back"
+        );
+        assert_eq!(f.count("status = 'dead'").await, 0, "run {run}");
+    }
 }
 
 #[tokio::test]
@@ -1442,6 +1513,51 @@ async fn a_panicking_publish_fails_only_its_own_record() {
         None
     });
     the_poison_row_alone_fails(publisher, &recorder, "publisher panicked").await;
+}
+
+/// The timing behind a panicking publish that cost its neighbours a second publish: the
+/// panic hook runs on the relay's thread, and with `RUST_BACKTRACE` set its first run
+/// resolves the backtrace's symbols (0.2 s on an idle machine, over a second on a loaded
+/// one). Here the poison row's publish blocks its thread for one and a half leases before
+/// it panics, every time. Meanwhile the relay's loop (on the runtime's other thread) finds
+/// the batch's leases expired; it must not claim back rows its own batch still holds. So
+/// a, confirmed before the stall, is recorded sent on its first attempt; c, whose turn came
+/// after half the lease, is released untried with its attempt given back and sent on its
+/// first attempt later; the poison row alone fails on each attempt and ends dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_that_stalls_its_thread_past_the_lease_costs_its_neighbours_nothing() {
+    let mut f = fixture().await;
+    for key in ["a", "poison", "c"] {
+        f.enqueue(Message::new("t", key).key(key)).await;
+    }
+    let lease = Duration::from_millis(300);
+    let recorder = Recorder::default();
+    let publisher = recorder.failing(move |record| {
+        if record.key == "poison" {
+            std::thread::sleep(lease * 3 / 2);
+            panic!("the publisher's own bug");
+        }
+        None
+    });
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .lease(lease)
+        .drain_timeout(lease / 4)
+        .max_attempts(3)
+        .batch_size(10)
+        .poll_interval(Duration::from_millis(50))
+        .backoff(Duration::from_millis(50), Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_rows("status <> 'pending'", 3).await;
+    stop_relay(stop, task).await;
+    let poison = f.row("poison").await;
+    assert_eq!((poison.status.as_str(), poison.attempts), ("dead", 3));
+    let error = poison.last_error.unwrap_or_default();
+    assert!(error.contains("publisher panicked"), "{error}");
+    sent_once_on_first_attempt(&mut f, &recorder, &["a", "c"]).await;
 }
 
 /// Rows [a, poison, c] through `publisher`, which fails (or never answers for) the poison

@@ -2,6 +2,7 @@
 //! `run`; ARCHITECTURE.md says which does what.
 
 mod gauges;
+mod held;
 mod janitor;
 pub(crate) mod listener;
 mod options;
@@ -24,6 +25,7 @@ use crate::metrics::{Metrics, NoMetrics};
 use crate::outbox::Outbox;
 use crate::publisher::Publisher;
 
+use self::held::Held;
 use self::options::Options;
 use self::outage::Outage;
 use self::publish::Slot;
@@ -198,6 +200,7 @@ impl<P: Publisher> RelayBuilder<P> {
                 options: self.options,
                 metrics: self.metrics,
                 outage: Outage::default(),
+                held: Arc::default(),
                 listening: Arc::new(AtomicUsize::new(0)),
             }),
         })
@@ -241,6 +244,8 @@ struct Inner<P> {
     metrics: Arc<dyn Metrics>,
     /// Whether the broker is reachable; shared by every run, as the publisher is.
     outage: Outage,
+    /// The rows this relay's batches hold until their outcomes are recorded.
+    held: Arc<Held>,
     /// Runs holding their LISTEN connection.
     listening: Arc<AtomicUsize>,
 }
@@ -266,7 +271,10 @@ impl<P: Publisher> Relay<P> {
     /// After `shutdown` the relay claims nothing more. Publishes under way get the
     /// `drain_timeout` and their outcomes are recorded; claimed records not yet started,
     /// and publishes cut off by the timeout, are released at once with their attempt
-    /// restored. It returns within the drain timeout and about a second more, whether or
+    /// restored. A claim the database is making when `shutdown` completes is awaited (for
+    /// at most the drain timeout) and its rows released too; only one the database does
+    /// not answer within the drain timeout is given up, and what it claimed waits for its
+    /// lease. It returns within the drain timeout and about a second more, whether or
     /// not the database answers. Also runs the LISTEN connection (unless `without_listen`)
     /// and the retention janitor (unless both retentions are `None`) while it runs.
     ///

@@ -225,6 +225,7 @@ impl<P: Publisher> Relay<P> {
             ready,
             crash_looped,
             undecodable,
+            hold,
         } = batch;
         let record_by = claimed_at + 2 * inner.options.lease;
         let mut outcomes = Outcomes {
@@ -259,6 +260,8 @@ impl<P: Publisher> Relay<P> {
             .await;
         slot.release();
         outcomes.finish().await;
+        // Only now may the relay's own claims take these rows again.
+        drop(hold);
     }
 
     /// Publishes in waves: a claim holds at most a run of consecutive messages per

@@ -223,21 +223,45 @@ impl<P: Publisher> Relay<P> {
         result
     }
 
-    /// Claims up to `batch_size` due rows (none once `stop` is true: a claim that has not
-    /// answered by then is given up, and what it may have claimed waits for its lease).
+    /// Claims up to `batch_size` due rows, never rows this relay's own batches still hold,
+    /// and holds the new batch's rows until its outcomes are recorded.
+    ///
+    /// A claim under way when `stop` turns true is still awaited, for at most the drain
+    /// timeout: the database may have made it already, and its rows must be released, not
+    /// left leased. Only a claim the database does not answer within the drain timeout is
+    /// given up; what it may have claimed then waits for its lease.
     pub(super) async fn claim(&self, stop: Option<&watch::Receiver<bool>>) -> Result<Batch> {
         let inner = &self.inner;
         let started = Instant::now();
-        let claiming = inner.store.claim(&inner.options);
-        let batch = match stop {
+        let claiming = inner
+            .store
+            .claim(&inner.options, inner.held.aged(inner.options.lease));
+        let mut batch = match stop {
             None => claiming.await?,
-            Some(stop) => match or_stop(stop, claiming).await {
-                Some(batch) => batch?,
-                None => Batch::default(),
-            },
+            Some(stop) => {
+                let mut stop = stop.clone();
+                let mut claiming = pin!(claiming);
+                tokio::select! {
+                    batch = &mut claiming => batch?,
+                    () = until_stopped(&mut stop) => {
+                        match tokio::time::timeout(inner.options.drain_timeout, claiming).await {
+                            Ok(batch) => batch?,
+                            Err(_) => {
+                                tracing::warn!(
+                                    table = %inner.outbox.table(),
+                                    "shutdown: the database did not answer a claim within the drain timeout; \
+                                     whatever it claimed waits for its lease"
+                                );
+                                Batch::default()
+                            }
+                        }
+                    }
+                }
+            }
         };
         let claimed = batch.claimed();
         if claimed > 0 {
+            batch.hold = Some(inner.held.hold(batch.claimed_at, batch.unrecorded()));
             inner.metrics.claimed(claimed);
             tracing::debug!(table = %inner.outbox.table(), claimed, took = ?started.elapsed(), "claimed");
         }
@@ -597,6 +621,11 @@ mod tests {
         outcomes: Mutex<Vec<(String, &'static str)>>,
         /// Every state the relay recorded in `<table>_relays`: idle or not.
         states: Mutex<Vec<bool>>,
+        /// While true, a claim takes its rows at once (the database made it) but answers
+        /// only once this turns false.
+        slow_claims: watch::Sender<bool>,
+        /// While true, recording outcomes waits.
+        slow_records: watch::Sender<bool>,
     }
 
     impl Memory {
@@ -633,11 +662,15 @@ mod tests {
     }
 
     impl Store for Memory {
-        fn claim<'a>(&'a self, options: &'a Options) -> BoxFuture<'a, Result<Batch>> {
+        fn claim<'a>(
+            &'a self,
+            options: &'a Options,
+            held: Vec<i64>,
+        ) -> BoxFuture<'a, Result<Batch>> {
             let mut rows = self.rows.lock().unwrap();
             let ready: Vec<Claimed> = rows
                 .iter_mut()
-                .filter(|r| !r.leased && !r.done)
+                .filter(|r| !r.leased && !r.done && !held.contains(&r.id))
                 .take(options.batch_size)
                 .map(|r| {
                     r.leased = true;
@@ -653,21 +686,29 @@ mod tests {
                 ready,
                 ..Batch::default()
             };
-            Box::pin(async move { Ok(batch) })
+            let mut answers = self.slow_claims.subscribe();
+            Box::pin(async move {
+                let _ = answers.wait_for(|slow| !*slow).await;
+                Ok(batch)
+            })
         }
 
         fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>> {
-            let mut rows = self.rows.lock().unwrap();
-            for outcome in outcomes {
-                let row = rows.iter_mut().find(|r| r.id == outcome.id).unwrap();
-                row.leased = false;
-                row.done = outcome.kind != OUTCOME_RELEASE;
-                self.outcomes
-                    .lock()
-                    .unwrap()
-                    .push((row.key.clone(), outcome.kind));
-            }
-            Box::pin(async { Ok(0) })
+            let mut answers = self.slow_records.subscribe();
+            Box::pin(async move {
+                let _ = answers.wait_for(|slow| !*slow).await;
+                let mut rows = self.rows.lock().unwrap();
+                for outcome in outcomes {
+                    let row = rows.iter_mut().find(|r| r.id == outcome.id).unwrap();
+                    row.leased = false;
+                    row.done = outcome.kind != OUTCOME_RELEASE;
+                    self.outcomes
+                        .lock()
+                        .unwrap()
+                        .push((row.key.clone(), outcome.kind));
+                }
+                Ok(0)
+            })
         }
 
         fn due(&self) -> BoxFuture<'_, Result<bool>> {
@@ -946,5 +987,101 @@ mod tests {
         released.sort();
         assert_eq!(released, ["m0", "m1", "m2", "m3"]);
         assert!(memory.leased().is_empty(), "nothing stays leased");
+    }
+
+    /// Shutdown while a claim is under way: the database has made the claim (its rows are
+    /// leased) but not yet answered. The relay waits for the answer and releases the rows
+    /// untried, rather than leave them leased until their lease ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_under_way_at_shutdown_is_released_not_left_leased() {
+        let memory = Arc::new(Memory::default());
+        for i in 0..10 {
+            memory.add(&format!("m{i}"));
+        }
+        memory.slow_claims.send_replace(true);
+        let gate = Gate::holding(Some(&[]));
+        let drain = Duration::from_secs(2);
+        let relay = relay(&memory, &gate, |b| b.batch_size(5).drain_timeout(drain));
+        let (stop, task) = spawn(&relay);
+        until("a claim made", || memory.claims.load(Ordering::SeqCst) == 1).await;
+
+        let _ = stop.send(());
+        tokio::time::sleep(drain / 4).await;
+        memory.slow_claims.send_replace(false);
+        task.await.unwrap().unwrap();
+        assert!(
+            gate.started().is_empty(),
+            "nothing published after shutdown"
+        );
+        assert!(
+            memory.leased().is_empty(),
+            "nothing stays leased: {:?}",
+            memory.leased()
+        );
+        let released: Vec<String> = memory.outcomes().into_iter().map(|(key, _)| key).collect();
+        assert_eq!(released, ["m0", "m1", "m2", "m3", "m4"]);
+        assert!(
+            memory
+                .outcomes()
+                .iter()
+                .all(|(_, kind)| *kind == OUTCOME_RELEASE)
+        );
+    }
+
+    /// A claim the database never answers does not hold up a shutdown beyond the drain
+    /// timeout (and the grace for recording).
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_never_answered_gives_way_at_the_drain_timeout() {
+        let memory = Arc::new(Memory::default());
+        memory.add("m0");
+        memory.slow_claims.send_replace(true);
+        let gate = Gate::holding(Some(&[]));
+        let drain = Duration::from_secs(2);
+        let relay = relay(&memory, &gate, |b| b.drain_timeout(drain));
+        let (stop, task) = spawn(&relay);
+        until("a claim made", || memory.claims.load(Ordering::SeqCst) == 1).await;
+        let stopped = Instant::now();
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+        assert!(
+            stopped.elapsed() <= drain + RECORD_GRACE,
+            "returned after {:?}",
+            stopped.elapsed()
+        );
+        assert!(gate.started().is_empty());
+    }
+
+    /// A batch whose outcome is recorded only after its lease has run out (the database
+    /// slow to answer; or its task stalled, as by a publisher blocking its thread) keeps its
+    /// rows from the relay's own next claims until the outcome is in: a message confirmed
+    /// once is not claimed back and published again.
+    #[tokio::test(start_paused = true)]
+    async fn the_relay_never_claims_back_rows_its_own_batch_still_holds() {
+        let memory = Arc::new(Memory::default());
+        memory.add("m0");
+        let gate = Gate::holding(Some(&[]));
+        let lease = Duration::from_secs(1);
+        let relay = relay(&memory, &gate, |b| b.lease(lease).drain_timeout(lease / 4));
+        memory.slow_records.send_replace(true);
+        let (stop, task) = spawn(&relay);
+        until("the publish", || gate.started() == ["m0"]).await;
+        // Its outcome is not recorded yet, and its lease runs out: in the table the row is
+        // due again.
+        tokio::time::sleep(lease).await;
+        memory.rows.lock().unwrap()[0].leased = false;
+        tokio::time::sleep(lease / 4).await;
+        assert_eq!(
+            memory.claims.load(Ordering::SeqCst),
+            1,
+            "no claim took it back"
+        );
+        memory.slow_records.send_replace(false);
+        until("the outcome recorded", || {
+            memory.outcome_of("m0") == Some(OUTCOME_SENT)
+        })
+        .await;
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+        assert_eq!(gate.started(), ["m0"], "published once");
     }
 }

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
+use super::held::Hold;
 use super::options::Options;
 use super::run::{RECORD_GRACE, until_stopped};
 use super::{PgPool, Relay};
@@ -41,6 +42,8 @@ statement! {
         max_run: BigInt = i64,
         /// The batch's byte budget (payloads and headers).
         max_bytes: BigInt = i64,
+        /// Rows this relay's own batches still hold (see `relay::held`): never taken.
+        held: Array<BigInt> = Vec<i64>,
     }
 }
 
@@ -100,6 +103,9 @@ impl Statements {
             // attempts without an outcome (a crash loop) goes dead here. Rows are cut, in id
             // order, at the byte budget (always at least one row); each run keeps a prefix.
             //
+            // Rows whose outcomes this relay's own batches are still to record are never
+            // taken, even once their leases have run out (see `relay::held`).
+            //
             // Nothing in a row's content can make this statement fail: counters saturate,
             // headers come back as text and the enqueue time only when chrono can hold it,
             // so an undecodable row dies alone in the relay (see `decode`).
@@ -108,6 +114,7 @@ impl Statements {
                  \x20   SELECT id, aggregate_key, attempts, {bytes} AS bytes FROM {t} o\n\
                  \x20   WHERE status = 'pending' AND available_at <= now()\n\
                  \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
+                 \x20     AND id <> ALL({held}::bigint[])\n\
                  \x20     AND (aggregate_key IS NULL OR NOT EXISTS (\n\
                  \x20         SELECT 1 FROM {t} p WHERE p.status = 'pending'\n\
                  \x20         AND p.aggregate_key = o.aggregate_key AND p.id < o.id))\n\
@@ -135,6 +142,7 @@ impl Statements {
                  \x20   WHERE id = ANY (ARRAY(SELECT id FROM succ WHERE in_run AND ready))\n\
                  \x20     AND status = 'pending' AND available_at <= now()\n\
                  \x20     AND (lease_until IS NULL OR lease_until <= now())\n\
+                 \x20     AND id <> ALL({held}::bigint[])\n\
                  \x20   FOR UPDATE SKIP LOCKED\n\
                  ), cut AS MATERIALIZED (\n\
                  \x20   SELECT s.head,\n\
@@ -184,6 +192,7 @@ impl Statements {
                 max_attempts = Claim::max_attempts,
                 max_run = Claim::max_run,
                 max_bytes = Claim::max_bytes,
+                held = Claim::held,
             )),
             // A cheap look for work, used while lingering between claims. As the first due
             // row in id order (not `EXISTS`, whose ORDER BY the planner drops), so the only
@@ -285,6 +294,8 @@ pub(crate) struct Batch {
     pub(crate) crash_looped: Vec<Record>,
     /// Rows that cannot be turned into a record; they die on their own.
     pub(crate) undecodable: Vec<(Record, Outcome)>,
+    /// Keeps the relay's own claims off these rows until their outcomes are recorded.
+    pub(crate) hold: Option<Hold>,
 }
 
 impl Default for Batch {
@@ -294,6 +305,7 @@ impl Default for Batch {
             ready: Vec::new(),
             crash_looped: Vec::new(),
             undecodable: Vec::new(),
+            hold: None,
         }
     }
 }
@@ -301,6 +313,14 @@ impl Default for Batch {
 impl Batch {
     pub(crate) fn claimed(&self) -> usize {
         self.ready.len() + self.crash_looped.len() + self.undecodable.len()
+    }
+
+    /// The rows whose outcomes are still to be recorded.
+    pub(crate) fn unrecorded(&self) -> Vec<i64> {
+        let ready = self.ready.iter().map(|c| c.record.id);
+        ready
+            .chain(self.undecodable.iter().map(|(r, _)| r.id))
+            .collect()
     }
 }
 
@@ -364,11 +384,13 @@ impl Outcome {
 }
 
 impl Outbox {
-    /// Claims up to `batch_size` due rows with one statement (see `Statements::claim`).
+    /// Claims up to `batch_size` due rows with one statement (see `Statements::claim`),
+    /// leaving the `held` rows alone.
     pub(crate) async fn claim(
         &self,
         conn: &mut AsyncPgConnection,
         limits: &Options,
+        held: Vec<i64>,
     ) -> Result<Batch> {
         let claimed_at = Instant::now();
         let rows = self.statements().store.claim.bind(Claim {
@@ -377,15 +399,14 @@ impl Outbox {
             max_attempts: i32::try_from(limits.max_attempts).unwrap_or(i32::MAX),
             max_run: i64::try_from(limits.batch_size.min(MAX_RUN)).unwrap_or(1),
             max_bytes: i64::try_from(limits.max_batch_bytes).unwrap_or(i64::MAX),
+            held,
         });
         let rows: Vec<ClaimRow> = planned(conn, CLAIM_PLAN, rows)
             .await
             .map_err(|e| self.db_error(e))?;
         let mut batch = Batch {
             claimed_at,
-            ready: Vec::new(),
-            crash_looped: Vec::new(),
-            undecodable: Vec::new(),
+            ..Batch::default()
         };
         for row in rows {
             let token = row.fencing_token;
@@ -483,8 +504,8 @@ impl Outbox {
 /// one, [`PgStore`], runs them on the pool; the relay's own unit tests drive the loop on one
 /// in memory.
 pub(crate) trait Store: Send + Sync + 'static {
-    /// Claims a batch (see [`Statements::render`]).
-    fn claim<'a>(&'a self, options: &'a Options) -> BoxFuture<'a, Result<Batch>>;
+    /// Claims a batch (see [`Statements::render`]), leaving the `held` rows alone.
+    fn claim<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>>;
     /// Records outcomes; returns how many were fenced off.
     fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>>;
     /// Whether any pending row is due and unleased.
@@ -511,10 +532,10 @@ pub(crate) struct PgStore {
 }
 
 impl Store for PgStore {
-    fn claim<'a>(&'a self, options: &'a Options) -> BoxFuture<'a, Result<Batch>> {
+    fn claim<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>> {
         Box::pin(async move {
             let mut conn = self.pool.get().await?;
-            self.outbox.claim(&mut conn, options).await
+            self.outbox.claim(&mut conn, options, held).await
         })
     }
 

@@ -188,6 +188,7 @@ WITH heads AS MATERIALIZED (
     SELECT id, aggregate_key, attempts, octet_length(payload) + octet_length(headers::text) AS bytes FROM "sales"."orders_outbox" o
     WHERE status = 'pending' AND available_at <= now()
       AND (lease_until IS NULL OR lease_until <= now())
+      AND id <> ALL($6::bigint[])
       AND (aggregate_key IS NULL OR NOT EXISTS (
           SELECT 1 FROM "sales"."orders_outbox" p WHERE p.status = 'pending'
           AND p.aggregate_key = o.aggregate_key AND p.id < o.id))
@@ -213,6 +214,7 @@ WITH heads AS MATERIALIZED (
     WHERE id = ANY (ARRAY(SELECT id FROM succ WHERE in_run AND ready))
       AND status = 'pending' AND available_at <= now()
       AND (lease_until IS NULL OR lease_until <= now())
+      AND id <> ALL($6::bigint[])
     FOR UPDATE SKIP LOCKED
 ), cut AS MATERIALIZED (
     SELECT s.head,
