@@ -579,7 +579,7 @@ async fn a_panicking_a_hung_or_an_error_swallowing_handler_costs_a_run_not_the_c
                 Ok(())
             })
         }))
-        .handler_timeout(Duration::from_millis(300))
+        .handler_timeout(Duration::from_secs(1))
         .backoff(Duration::from_millis(10), Duration::from_millis(50))
         .build()
         .unwrap();
@@ -598,7 +598,11 @@ async fn a_panicking_a_hung_or_an_error_swallowing_handler_costs_a_run_not_the_c
     for key in ["panics", "hangs", "swallows"] {
         assert_eq!(runs[key], 2, "{key}: its first run failed and rolled back");
     }
-    assert_eq!(runs["plain"], 1);
+    // "plain" runs beside "panics", and a panic hook runs on the thread it panicked on:
+    // with RUST_BACKTRACE set, the first one resolves the backtrace's symbols, which on a
+    // loaded machine takes longer than the handler timeout. Then "plain" is cut off too
+    // and runs again: a second run, never a second effect (checked above), never a reject.
+    assert!(runs["plain"] >= 1);
     assert_eq!(s.broker.ready(&s.broker.dead_letters).await, 0);
 }
 
