@@ -152,7 +152,8 @@ pub fn with_application_name(url: &str, name: &str) -> String {
     format!("{url}{sep}application_name={name}")
 }
 
-async fn pool_for(size: u32, url: String) -> diesel_outbox::PgPool {
+/// A pool of `size` connections to `url`, without the per-checkout test query.
+pub async fn pool_for(size: u32, url: String) -> diesel_outbox::PgPool {
     use diesel_async::pooled_connection::AsyncDieselConnectionManager;
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(url);
     diesel_outbox::PgPool::builder()
