@@ -1084,4 +1084,41 @@ mod tests {
         task.await.unwrap().unwrap();
         assert_eq!(gate.started(), ["m0"], "published once");
     }
+
+    /// A batch whose relay stalls past twice its lease (a process paused, say) still tries
+    /// once to record its outcomes when it resumes: no relay took the row over, so its
+    /// confirmed message is recorded sent rather than published again after the lease.
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_resumed_past_its_record_deadline_still_records() {
+        struct Stalls(Duration);
+        impl Publisher for Stalls {
+            async fn publish(&self, _: &Record) -> std::result::Result<(), PublishError> {
+                tokio::time::advance(self.0).await;
+                Ok(())
+            }
+        }
+        let memory = Arc::new(Memory::default());
+        memory.add("m0");
+        let lease = Duration::from_secs(1);
+        let pool = PgPool::builder().build_unchecked(AsyncDieselConnectionManager::new(
+            "postgres://unused.invalid",
+        ));
+        let relay = Outbox::new()
+            .relay(pool, Stalls(3 * lease))
+            .without_listen()
+            .retention(None)
+            .inbox_retention(None)
+            .lease(lease)
+            .drain_timeout(lease / 4)
+            .build_on(memory.clone())
+            .unwrap();
+        // The database answers recording a moment later, not at once.
+        memory.slow_records.send_replace(true);
+        let running = tokio::spawn(async move { relay.run_once().await });
+        // Half a second after the stall: past the batch's deadline, within its one try.
+        tokio::time::sleep(3 * lease + lease / 2).await;
+        memory.slow_records.send_replace(false);
+        running.await.unwrap().unwrap();
+        assert_eq!(memory.outcome_of("m0"), Some(OUTCOME_SENT));
+    }
 }

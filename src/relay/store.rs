@@ -581,9 +581,9 @@ impl Store for PgStore {
 }
 
 impl<P: Publisher> Relay<P> {
-    /// Records outcomes, retrying until `by`, or until [`RECORD_GRACE`] after `stop` turns
-    /// true: a row whose outcome is lost stays leased until its lease ends and is then
-    /// published again.
+    /// Records outcomes, retrying until `by` (or for [`RECORD_GRACE`], when `by` has
+    /// passed already), or until [`RECORD_GRACE`] after `stop` turns true: a row whose
+    /// outcome is lost stays leased until its lease ends and is then published again.
     pub(super) async fn record(
         &self,
         outcomes: &[Outcome],
@@ -618,6 +618,9 @@ impl<P: Publisher> Relay<P> {
                 None => std::future::pending().await,
             }
         };
+        // A batch past its deadline (its relay was paused, say) still gets one try: if no
+        // relay took its rows over, its outcomes count; if one did, fencing discards them.
+        let by = by.max(Instant::now() + RECORD_GRACE);
         let bounded = async {
             tokio::select! {
                 recorded = tokio::time::timeout_at(by, attempts) => recorded.ok(),
