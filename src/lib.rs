@@ -49,6 +49,30 @@
 //! configuration only. All SQL text for a table is rendered once, when the `Outbox` is
 //! built; identifiers are validated and quoted, values are always bound parameters.
 //!
+//! # Connecting to managed PostgreSQL
+//! Managed PostgreSQL requires TLS (RDS for PostgreSQL 15 and later by default, Neon and
+//! most clouds always). [`establish`] reads libpq's TLS parameters from the URL with
+//! libpq's meaning: `sslmode` (`disable`, `prefer` — the default —, `require`,
+//! `verify-ca`, `verify-full`), `sslrootcert` (a PEM file, or `system` for the platform's
+//! roots), `sslcert` and `sslkey`; rustls does the TLS. A pool whose connections it makes
+//! is one line:
+//!
+//! ```no_run
+//! use diesel_outbox::{PgPool, connection_manager};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let url = "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=system";
+//! let pool: PgPool = PgPool::builder().build(connection_manager(url)).await?;
+//! # let _ = pool; Ok(()) }
+//! ```
+//!
+//! The relay's LISTEN connection comes from the same pool, so it is encrypted too.
+//! Multi-host URLs with `target_session_attrs=read-write` work as in libpq: after a
+//! failover the relay reconnects to whichever host is the primary. Hazard: with `prefer`
+//! and `require` the server's certificate is not verified (as in libpq), which protects
+//! against eavesdropping, not against an impostor; use `verify-full` where that matters.
+//! The brokers take [`Tls`] (a CA file, a client certificate) through their builders.
+//!
 //! # Behind a pooler
 //! A pooler in transaction mode that cannot track prepared statements (PgBouncer before
 //! 1.21) gives each transaction whichever server connection is free, so a statement
@@ -189,6 +213,7 @@
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 
 mod backoff;
+mod connect;
 pub mod consumer;
 pub mod defaults;
 mod enqueue;
@@ -198,15 +223,16 @@ mod message;
 mod metrics;
 mod ops;
 mod outbox;
-mod pooler;
 mod publisher;
 mod relay;
 pub mod schema;
 mod sql;
 #[cfg(feature = "sync")]
 pub mod sync;
+mod tls;
 mod trace;
 
+pub use crate::connect::{connection_manager, establish, establish_without_statement_cache};
 pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::inbox::DedupeExt;
@@ -216,7 +242,6 @@ pub use crate::metrics::FacadeMetrics;
 pub use crate::metrics::{Consumed, Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{Outbox, OutboxBuilder};
-pub use crate::pooler::establish_without_statement_cache;
 #[cfg(feature = "nats")]
 pub use crate::publisher::nats;
 #[cfg(feature = "rabbitmq")]
@@ -228,3 +253,4 @@ pub use crate::publisher::{
 pub use crate::relay::{PgPool, Relay, RelayBuilder};
 pub use crate::schema::harness::{MIGRATIONS, OutboxMigrations};
 pub use crate::sql::WAKE_LOCK_CLASS;
+pub use crate::tls::Tls;

@@ -37,6 +37,17 @@ async fn terminate(relay: &mut std::process::Child) -> std::process::ExitStatus 
     .await
 }
 
+/// Reads a child's stderr as it is written (so the pipe never fills and blocks it);
+/// the returned thread gives the whole log once the child has exited.
+fn log_of(child: &mut std::process::Child) -> std::thread::JoinHandle<String> {
+    let mut stderr = child.stderr.take().expect("stderr piped");
+    std::thread::spawn(move || {
+        let mut log = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+        log
+    })
+}
+
 fn stdout(out: &Output) -> String {
     assert!(
         out.status.success(),
@@ -88,6 +99,7 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let log = log_of(&mut relay);
     for i in 0..5 {
         outbox
             .enqueue(
@@ -109,8 +121,7 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
 
     let status = terminate(&mut relay).await;
     assert!(status.success(), "exit {status:?}");
-    let mut log = String::new();
-    std::io::Read::read_to_string(&mut relay.stderr.take().unwrap(), &mut log).unwrap();
+    let log = log.join().unwrap();
     assert!(log.contains("relay stopped"), "{log}");
     assert!(!log.contains("guest:guest"), "no credentials in logs");
     let stats = json(&cli(&table, &["stats", "--json"]));
@@ -144,6 +155,7 @@ async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let log = log_of(&mut relay);
     for i in 0..5 {
         outbox
             .enqueue(
@@ -172,8 +184,7 @@ async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
     assert_eq!(keys, ["k0", "k1", "k2", "k3", "k4"]);
     let status = terminate(&mut relay).await;
     assert!(status.success(), "exit {status:?}");
-    let mut log = String::new();
-    std::io::Read::read_to_string(&mut relay.stderr.take().unwrap(), &mut log).unwrap();
+    let log = log.join().unwrap();
     assert!(log.contains("relay stopped"), "{log}");
     assert!(
         !log.contains("s3cret"),
@@ -331,6 +342,61 @@ fn bad_urls_and_missing_tables_have_their_own_exit_codes_and_hide_passwords() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// Every URL and credential can come from a file (`--NAME-file`, or `NAME_FILE` as
+/// container secrets are mounted): the file's content is used, less its trailing newline,
+/// and never printed, not even when the connection it names fails.
+#[tokio::test]
+async fn urls_and_credentials_come_from_files_and_are_never_printed() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let dir = std::env::temp_dir().join(common::unique("cli_secrets"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("database-url");
+    std::fs::write(&good, format!("{}\n", database_url())).unwrap();
+    let with_file = |env: &[(&str, &std::path::Path)], args: &[&str]| {
+        let mut command = Command::new(BIN);
+        command
+            .args(["--table", &table])
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .env_remove("AMQP_URL");
+        for (name, path) in env {
+            command.env(name, path);
+        }
+        command.output().unwrap()
+    };
+    let migrated = with_file(&[("DATABASE_URL_FILE", &good)], &["migrate"]);
+    assert!(migrated.status.success(), "{migrated:?}");
+    let flag = with_file(
+        &[],
+        &["--database-url-file", good.to_str().unwrap(), "stats"],
+    );
+    assert!(flag.status.success(), "{flag:?}");
+
+    let bad = dir.join("bad-url");
+    std::fs::write(&bad, "postgres://postgres:hunter2@127.0.0.1:1/test\n").unwrap();
+    let amqp = dir.join("amqp-url");
+    std::fs::write(&amqp, "amqp://guest:sekrit@127.0.0.1:1/%2f").unwrap();
+    let out = with_file(&[("DATABASE_URL_FILE", &bad)], &["stats"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("127.0.0.1:1") && !stderr.contains("hunter2"),
+        "{stderr}"
+    );
+    let out = with_file(
+        &[("DATABASE_URL_FILE", &good), ("AMQP_URL_FILE", &amqp)],
+        &["relay", "--exchange", "x"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(!stderr.contains("sekrit"), "{stderr}");
+    let missing = with_file(&[("DATABASE_URL_FILE", &dir.join("none"))], &["stats"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// At `RUST_LOG=trace` the relay process prints neither a payload (lapin logs returned
 /// messages with theirs at warn, tokio-postgres logs bound parameters at debug) nor a
 /// password (lapin logs the login frame at trace, amq-protocol the URL).
@@ -375,14 +441,7 @@ async fn the_relay_at_trace_logs_no_payload_and_no_password() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Read the log while it is written, so the pipe never fills.
-    let stderr = relay.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut log = String::new();
-        let mut stderr = stderr;
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
-        log
-    });
+    let reader = log_of(&mut relay);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while outbox.dead_letters(&mut conn, 10).await.unwrap().is_empty() {
         assert!(

@@ -1,7 +1,7 @@
-//! The contract every publisher keeps, run against each one alike: RabbitMQ, NATS
-//! JetStream and the closure adapter. Each publisher gets a harness (how to make one, how
-//! to make its broker refuse a message, how to read what arrived); the tests are written
-//! once.
+//! The contract every publisher keeps, run against each one alike: RabbitMQ and NATS
+//! JetStream (each in the clear and over TLS) and the closure adapter. Each publisher gets a
+//! harness (how to make one, how to make its broker refuse a message, how to read what
+//! arrived); the tests are written once.
 #![allow(async_fn_in_trait)]
 
 mod common;
@@ -210,9 +210,13 @@ macro_rules! contract {
 
 contract!(closure, ClosureHarness);
 #[cfg(feature = "rabbitmq")]
-contract!(rabbitmq, rabbit::RabbitHarness);
+contract!(rabbitmq, rabbit::RabbitHarness<rabbit::Plain>);
+#[cfg(feature = "rabbitmq")]
+contract!(rabbitmq_tls, rabbit::RabbitHarness<rabbit::OverTls>);
 #[cfg(feature = "nats")]
-contract!(nats, jetstream::NatsHarness);
+contract!(nats, jetstream::NatsHarness<jetstream::Plain>);
+#[cfg(feature = "nats")]
+contract!(nats_tls, jetstream::NatsHarness<jetstream::OverTls>);
 
 /// The closure adapter over an in-memory "broker" that refuses topic `nowhere` and can be
 /// out of reach.
@@ -306,14 +310,58 @@ impl Publisher for Box<dyn DynPublisher> {
 #[cfg(feature = "rabbitmq")]
 mod rabbit {
     use super::*;
-    use common::broker::{TestBroker, amqp_url, message_id, next};
-    use diesel_outbox::rabbitmq::RabbitMqPublisher;
+    use common::broker::{Amqps, TestBroker, amqp_url, message_id, next};
+    use diesel_outbox::rabbitmq::{RabbitMqPublisher, RabbitMqPublisherBuilder};
     use lapin::types::AMQPValue;
 
-    pub(super) struct RabbitHarness {
+    /// How the harness's publishers reach the broker.
+    pub(super) trait Transport: Send + Sync + 'static {
+        /// The broker's URL, with `s3cret` as the password when `secret`.
+        fn url(secret: bool) -> String;
+        fn builder(url: String, exchange: &str) -> RabbitMqPublisherBuilder;
+    }
+
+    /// `amqp://`.
+    pub(super) struct Plain;
+
+    impl Transport for Plain {
+        fn url(secret: bool) -> String {
+            if secret {
+                "amqp://guest:s3cret@127.0.0.1:1/%2f".into()
+            } else {
+                amqp_url()
+            }
+        }
+
+        fn builder(url: String, exchange: &str) -> RabbitMqPublisherBuilder {
+            RabbitMqPublisher::builder(url, exchange)
+        }
+    }
+
+    /// `amqps://` to the broker's TLS listener, trusting its CA.
+    pub(super) struct OverTls;
+
+    impl Transport for OverTls {
+        fn url(secret: bool) -> String {
+            let url = Amqps::local().url;
+            if secret {
+                url.replacen("guest:guest@", "guest:s3cret@", 1)
+                    .replacen(":5671", ":1", 1)
+            } else {
+                url
+            }
+        }
+
+        fn builder(url: String, exchange: &str) -> RabbitMqPublisherBuilder {
+            RabbitMqPublisher::builder(url, exchange).tls(Amqps::local().tls())
+        }
+    }
+
+    pub(super) struct RabbitHarness<T> {
         broker: TestBroker,
         consumer: lapin::Consumer,
         got: Vec<Got>,
+        transport: std::marker::PhantomData<T>,
     }
 
     fn got(d: &lapin::message::Delivery) -> Got {
@@ -343,7 +391,7 @@ mod rabbit {
         }
     }
 
-    impl Harness for RabbitHarness {
+    impl<T: Transport> Harness for RabbitHarness<T> {
         type P = RabbitMqPublisher;
         const DUPLICATES_KEPT: usize = 2;
 
@@ -354,11 +402,12 @@ mod rabbit {
                 broker,
                 consumer,
                 got: Vec::new(),
+                transport: std::marker::PhantomData,
             }
         }
 
         async fn publisher(&self) -> RabbitMqPublisher {
-            RabbitMqPublisher::builder(amqp_url(), &self.broker.exchange)
+            T::builder(T::url(false), &self.broker.exchange)
                 .confirm_timeout(Duration::from_secs(5))
                 .connect()
                 .await
@@ -366,7 +415,7 @@ mod rabbit {
         }
 
         async fn out_of_reach(&self) -> RabbitMqPublisher {
-            RabbitMqPublisher::builder(amqp_url(), unique("missing"))
+            T::builder(T::url(false), &unique("missing"))
                 .confirm_timeout(Duration::from_secs(5))
                 .connect()
                 .await
@@ -389,8 +438,7 @@ mod rabbit {
         }
 
         async fn shown_with_secret(&self) -> Vec<String> {
-            let url = "amqp://guest:s3cret@127.0.0.1:1/%2f";
-            let builder = RabbitMqPublisher::builder(url, "x");
+            let builder = T::builder(T::url(true), "x");
             let mut shown = vec![format!("{builder:?}")];
             shown.push(builder.connect().await.unwrap_err().to_string());
             shown.push(format!("{:?}", self.publisher().await));
@@ -402,14 +450,65 @@ mod rabbit {
 #[cfg(feature = "nats")]
 mod jetstream {
     use super::*;
-    use common::nats::{TestStream, header, nats_url};
-    use diesel_outbox::nats::JetStreamPublisher;
+    use common::nats::{TestStream, TlsNats, header, nats_url};
+    use diesel_outbox::nats::{Credentials, JetStreamPublisher, JetStreamPublisherBuilder};
 
     /// The largest message the harness's stream takes: the refused record is larger.
     const MAX_MESSAGE: i32 = 4096;
 
-    pub(super) struct NatsHarness {
+    /// Where the harness's stream lives and how its publishers reach it.
+    pub(super) trait Transport: Send + Sync + 'static {
+        /// A server of the harness's own, if it needs one.
+        fn server() -> Option<TlsNats>;
+        /// A builder for `server`'s URL (or the shared server's), with `s3cret` as a
+        /// credential when `secret`, and the port closed then.
+        fn builder(server: Option<&TlsNats>, secret: bool) -> JetStreamPublisherBuilder;
+    }
+
+    /// The shared server, in the clear.
+    pub(super) struct Plain;
+
+    impl Transport for Plain {
+        fn server() -> Option<TlsNats> {
+            None
+        }
+
+        fn builder(_: Option<&TlsNats>, secret: bool) -> JetStreamPublisherBuilder {
+            if secret {
+                JetStreamPublisher::builder("nats://relay:s3cret@127.0.0.1:1")
+            } else {
+                JetStreamPublisher::builder(nats_url())
+            }
+        }
+    }
+
+    /// A server of the harness's own over TLS, with NKey authentication.
+    pub(super) struct OverTls;
+
+    impl Transport for OverTls {
+        fn server() -> Option<TlsNats> {
+            Some(TlsNats::start())
+        }
+
+        fn builder(server: Option<&TlsNats>, secret: bool) -> JetStreamPublisherBuilder {
+            let server = server.expect("a server of the harness's own");
+            let tls = diesel_outbox::Tls::new().ca_file(&server.ca);
+            if secret {
+                JetStreamPublisher::builder("tls://localhost:1")
+                    .tls(tls)
+                    .credentials(Credentials::token("s3cret"))
+            } else {
+                JetStreamPublisher::builder(&server.url)
+                    .tls(tls)
+                    .credentials(Credentials::nkey_seed(&server.seed))
+            }
+        }
+    }
+
+    pub(super) struct NatsHarness<T> {
         stream: TestStream,
+        server: Option<TlsNats>,
+        transport: std::marker::PhantomData<T>,
     }
 
     fn got(prefix: &str, m: &async_nats::Message) -> Got {
@@ -442,21 +541,29 @@ mod jetstream {
         }
     }
 
-    impl Harness for NatsHarness {
+    impl<T: Transport> Harness for NatsHarness<T> {
         type P = JetStreamPublisher;
         const DUPLICATES_KEPT: usize = 1;
 
         async fn new() -> Self {
-            let stream = TestStream::with(|mut config| {
+            let tune = |mut config: async_nats::jetstream::stream::Config| {
                 config.max_message_size = MAX_MESSAGE;
                 config
-            })
-            .await;
-            NatsHarness { stream }
+            };
+            let server = T::server();
+            let stream = match &server {
+                Some(server) => TestStream::on(server.client().await, tune).await,
+                None => TestStream::with(tune).await,
+            };
+            NatsHarness {
+                stream,
+                server,
+                transport: std::marker::PhantomData,
+            }
         }
 
         async fn publisher(&self) -> JetStreamPublisher {
-            JetStreamPublisher::builder(nats_url())
+            T::builder(self.server.as_ref(), false)
                 .subject_prefix(&self.stream.prefix)
                 .ack_timeout(Duration::from_secs(5))
                 .connect()
@@ -465,7 +572,7 @@ mod jetstream {
         }
 
         async fn out_of_reach(&self) -> JetStreamPublisher {
-            JetStreamPublisher::builder(nats_url())
+            T::builder(self.server.as_ref(), false)
                 .subject_prefix(format!("{}.", unique("nostream")))
                 .ack_timeout(Duration::from_secs(5))
                 .connect()
@@ -496,17 +603,20 @@ mod jetstream {
         }
 
         async fn shown_with_secret(&self) -> Vec<String> {
-            let builder = JetStreamPublisher::builder("nats://relay:s3cret@127.0.0.1:1");
+            let builder = T::builder(self.server.as_ref(), true);
             let mut shown = vec![format!("{builder:?}")];
             shown.push(builder.connect().await.unwrap_err().to_string());
-            // The local server has no authentication and ignores credentials.
-            let url = nats_url().replacen("nats://", "nats://relay:s3cret@", 1);
-            let connected = JetStreamPublisher::builder(url)
-                .subject_prefix(&self.stream.prefix)
-                .connect()
-                .await
-                .unwrap();
-            shown.push(format!("{connected:?}"));
+            if self.server.is_none() {
+                // The shared server has no authentication and ignores credentials.
+                let url = nats_url().replacen("nats://", "nats://relay:s3cret@", 1);
+                let connected = JetStreamPublisher::builder(url)
+                    .subject_prefix(&self.stream.prefix)
+                    .connect()
+                    .await
+                    .unwrap();
+                shown.push(format!("{connected:?}"));
+            }
+            shown.push(format!("{:?}", self.publisher().await));
             shown
         }
     }

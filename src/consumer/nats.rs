@@ -37,14 +37,22 @@ use futures_util::future::BoxFuture;
 use super::Delivery;
 use super::source::{Incoming, Link, Settle};
 use crate::error::BoxError;
-use crate::publisher::nats::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, Servers};
+use crate::publisher::nats::{
+    CONTENT_TYPE_HEADER, Credentials, MESSAGE_ID_HEADER, Servers, secured,
+};
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+use crate::tls::Tls;
 
 /// The longest a connection and its subscription may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A durable JetStream pull consumer as the source of a [`Consumer`](super::Consumer).
 pub struct Source {
+    url: String,
+    credentials: Option<Credentials>,
+    tls: Option<Tls>,
+    /// The servers with the credentials and TLS set (or why not, which the consumer's
+    /// `build()` reports).
     servers: Result<Servers, String>,
     stream: String,
     durable: String,
@@ -75,19 +83,47 @@ impl fmt::Debug for Source {
 
 impl Source {
     /// Consumes the durable pull consumer `durable` of `stream` on the NATS server(s) at
-    /// `url` (`nats://[user:password@|token@]host:port`, or several, comma-separated).
+    /// `url` (`nats://[user:password@|token@]host:port`, `tls://` for TLS, or several,
+    /// comma-separated).
     pub fn durable(
         url: impl AsRef<str>,
         stream: impl Into<String>,
         durable: impl Into<String>,
     ) -> Self {
         Source {
+            url: url.as_ref().to_owned(),
+            credentials: None,
+            tls: None,
             servers: Servers::parse(url.as_ref()),
             stream: stream.into(),
             durable: durable.into(),
             prefix: String::new(),
             link: Link::default(),
         }
+    }
+
+    /// How to log in: a credentials file, an NKey seed, a token, or a user and password.
+    /// A file is read, a seed checked, here; a problem is reported by the consumer's
+    /// `build()`. Defaults to the URL's user info, if any (give credentials one way only).
+    #[must_use]
+    pub fn credentials(mut self, credentials: Credentials) -> Self {
+        self.credentials = Some(credentials);
+        self.secure()
+    }
+
+    /// Connects over TLS, verifying the server's certificate and name against the
+    /// platform's roots and the CA file of `tls`, and showing its client certificate. The
+    /// files are read here; a problem is reported by the consumer's `build()`. Defaults to
+    /// TLS only when the URL says `tls://` or the server requires it.
+    #[must_use]
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.tls = Some(tls);
+        self.secure()
+    }
+
+    fn secure(mut self) -> Self {
+        self.servers = secured(&self.url, self.credentials.as_ref(), self.tls.as_ref());
+        self
     }
 
     /// The relay's subject prefix, taken off the subject to give the delivery's topic

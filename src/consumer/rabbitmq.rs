@@ -18,13 +18,14 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::uri::AMQPUri;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection};
 
 use super::Delivery;
 use super::source::{Incoming, Link, Settle};
 use crate::error::BoxError;
+use crate::publisher::rabbitmq::Endpoint;
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+use crate::tls::Tls;
 
 /// The longest a connection and its subscription may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -34,9 +35,10 @@ const LIVENESS_CHECK: Duration = Duration::from_secs(1);
 
 /// A RabbitMQ queue as the source of a [`Consumer`](super::Consumer).
 pub struct Source {
-    uri: Result<AMQPUri, String>,
-    /// `host:port/vhost`: how the broker is named in errors and logs (never the URL).
-    endpoint: String,
+    url: String,
+    /// The broker: the URL parsed and the TLS files read (or why that failed, which the
+    /// consumer's `build()` reports).
+    endpoint: Result<Endpoint, String>,
     queue: String,
     tag: String,
     link: Link<Live>,
@@ -51,7 +53,7 @@ struct Live {
 impl fmt::Debug for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Source")
-            .field("endpoint", &self.endpoint)
+            .field("endpoint", &self.endpoint_name())
             .field("queue", &self.queue)
             .field("connected", &self.link.is_live())
             .finish_non_exhaustive()
@@ -59,39 +61,53 @@ impl fmt::Debug for Source {
 }
 
 impl Source {
-    /// Consumes `queue` on the broker at `url` (`amqp://user:pass@host:port/vhost`). The
-    /// queue must exist; give it a dead-letter exchange to keep rejected messages.
+    /// Consumes `queue` on the broker at `url` (`amqp://user:pass@host:port/vhost`, or
+    /// `amqps://` for TLS; `?auth_mechanism=external` logs in with the client certificate
+    /// of [`Source::tls`]). The queue must exist; give it a dead-letter exchange to keep
+    /// rejected messages.
     pub fn queue(url: impl AsRef<str>, queue: impl Into<String>) -> Self {
-        let uri: Result<AMQPUri, String> = url.as_ref().parse().map_err(|_| {
-            "the AMQP URL is malformed (not shown: it may hold a password)".to_owned()
-        });
-        let endpoint = uri.as_ref().map_or_else(
-            |_| "(malformed URL)".to_owned(),
-            |u| format!("{}:{}/{}", u.authority.host, u.authority.port, u.vhost),
-        );
         Source {
-            uri,
-            endpoint,
+            url: url.as_ref().to_owned(),
+            endpoint: Endpoint::new(url.as_ref(), None),
             queue: queue.into(),
             tag: format!("diesel-outbox-{}", uuid::Uuid::new_v4().simple()),
             link: Link::default(),
         }
     }
+
+    /// TLS settings for an `amqps://` URL: a CA file to trust besides the platform's roots,
+    /// and a client certificate (which `?auth_mechanism=external` in the URL logs in with).
+    /// The files are read here; a problem with them is reported by the consumer's
+    /// `build()`. The server's certificate and name are always verified. Defaults to the
+    /// platform's roots and no client certificate.
+    #[must_use]
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.endpoint = Endpoint::new(&self.url, Some(&tls));
+        self
+    }
+
+    /// How the broker is named in errors and logs (never the URL).
+    fn endpoint_name(&self) -> &str {
+        self.endpoint
+            .as_ref()
+            .map_or("(malformed URL)", |e| e.name.as_str())
+    }
 }
 
 /// Opens a connection, a channel with `prefetch`, and the subscription to `queue`.
 async fn connect(
-    uri: Result<AMQPUri, String>,
-    endpoint: String,
+    endpoint: Result<Endpoint, String>,
     queue: String,
     tag: String,
     prefetch: u16,
 ) -> Result<Live, String> {
-    let uri = uri?;
+    let endpoint = endpoint?;
     let name = ShortString::try_new(queue.clone())
         .map_err(|_| "the queue name is over 255 bytes".to_owned())?;
     let opening = async {
-        let connection = Connection::connect_uri(uri, ConnectionProperties::default()).await?;
+        let connection = endpoint
+            .connect(&format!("diesel-outbox consumer of {queue}"))
+            .await?;
         let channel = connection.create_channel().await?;
         channel
             .basic_qos(prefetch, BasicQosOptions::default())
@@ -110,6 +126,7 @@ async fn connect(
             consumer,
         })
     };
+    let endpoint = &endpoint.name;
     match tokio::time::timeout(CONNECT_TIMEOUT, opening).await {
         Ok(Ok(live)) => {
             tracing::info!(endpoint = %endpoint, queue = %queue, "consuming from RabbitMQ");
@@ -126,7 +143,7 @@ async fn connect(
 
 impl super::Source for Source {
     fn check(&self) -> Result<(), BoxError> {
-        self.uri.as_ref().map_err(|e| e.clone())?;
+        self.endpoint.as_ref().map_err(|e| e.clone())?;
         if self.queue.len() > 255 {
             return Err("the queue name is over 255 bytes".into());
         }
@@ -139,7 +156,6 @@ impl super::Source for Source {
                 .link
                 .get(|| {
                     Box::pin(connect(
-                        self.uri.clone(),
                         self.endpoint.clone(),
                         self.queue.clone(),
                         self.tag.clone(),
@@ -153,7 +169,11 @@ impl super::Source for Source {
                     continue;
                 }
                 self.link.lost();
-                return Err(format!("lost the connection to RabbitMQ at {}", self.endpoint).into());
+                return Err(format!(
+                    "lost the connection to RabbitMQ at {}",
+                    self.endpoint_name()
+                )
+                .into());
             };
             match next {
                 Some(Ok(message)) => match delivery(&message) {
@@ -176,13 +196,14 @@ impl super::Source for Source {
                 },
                 Some(Err(e)) => {
                     self.link.lost();
-                    return Err(format!("RabbitMQ at {}: {e}", self.endpoint).into());
+                    return Err(format!("RabbitMQ at {}: {e}", self.endpoint_name()).into());
                 }
                 None => {
                     self.link.lost();
                     return Err(format!(
                         "RabbitMQ at {} ended the subscription to {}",
-                        self.endpoint, self.queue
+                        self.endpoint_name(),
+                        self.queue
                     )
                     .into());
                 }

@@ -318,3 +318,69 @@ impl Drop for SharedQueue {
         });
     }
 }
+
+/// The local RabbitMQ's TLS listener and the certificates `.ci/rabbitmq-tls` made for it:
+/// `AMQPS_URL` (default `amqps://guest:guest@localhost:5671/%2f`) and `AMQPS_TLS_DIR`
+/// (default `/etc/rabbitmq/outbox-tls`, holding `ca.pem`, and `client.pem` and `client.key`
+/// for the user `outbox-tls-client`).
+pub struct Amqps {
+    pub url: String,
+    pub ca: std::path::PathBuf,
+    pub client_cert: std::path::PathBuf,
+    pub client_key: std::path::PathBuf,
+}
+
+impl Amqps {
+    pub fn local() -> Amqps {
+        let url = std::env::var("AMQPS_URL")
+            .unwrap_or_else(|_| "amqps://guest:guest@localhost:5671/%2f".to_owned());
+        let dir = std::path::PathBuf::from(
+            std::env::var("AMQPS_TLS_DIR").unwrap_or_else(|_| "/etc/rabbitmq/outbox-tls".into()),
+        );
+        let amqps = Amqps {
+            url,
+            ca: dir.join("ca.pem"),
+            client_cert: dir.join("client.pem"),
+            client_key: dir.join("client.key"),
+        };
+        assert!(
+            amqps.ca.exists() && std::net::TcpStream::connect("127.0.0.1:5671").is_ok(),
+            "RabbitMQ's TLS listener is not on 127.0.0.1:5671 with its certificates in {}: \
+             run .ci/rabbitmq-tls (as .ci/run does), or set AMQPS_URL and AMQPS_TLS_DIR",
+            dir.display()
+        );
+        amqps
+    }
+
+    /// The TLS settings that trust the listener's CA.
+    pub fn tls(&self) -> diesel_outbox::Tls {
+        diesel_outbox::Tls::new().ca_file(&self.ca)
+    }
+
+    /// The URL without user info, logging in with the client certificate (EXTERNAL).
+    pub fn external_url(&self) -> String {
+        let rest = self.url.split_once("://").expect("scheme").1;
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+        format!("amqps://{rest}?auth_mechanism=external")
+    }
+}
+
+/// `rabbitmqctl list_connections ssl client_properties`: whether each connection whose
+/// client properties mention `name` is over TLS.
+pub fn connections_named(name: &str) -> Vec<bool> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "-q",
+            "--no-table-headers",
+            "ssl",
+            "client_properties",
+        ])
+        .output()
+        .expect("rabbitmqctl");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|line| line.contains(name))
+        .map(|line| line.starts_with("true"))
+        .collect()
+}

@@ -327,8 +327,10 @@ pub async fn stop_relay(
 
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
+pub mod cluster;
 pub mod fakes;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod proxy;
 pub mod services;
+pub mod tls;

@@ -27,6 +27,8 @@ pub struct TestStream {
     pub prefix: String,
     pub client: async_nats::Client,
     pub jetstream: jetstream::Context,
+    /// On the shared server (deleted when this drops), not on a server of the test's own.
+    shared: bool,
 }
 
 impl TestStream {
@@ -45,11 +47,29 @@ impl TestStream {
         Self::create(prefix.to_owned(), |config| config).await
     }
 
+    /// [`TestStream::with`] on the server `client` is connected to, a server of the
+    /// test's own (the stream goes with it).
+    pub async fn on(
+        client: async_nats::Client,
+        tune: impl FnOnce(stream::Config) -> stream::Config,
+    ) -> TestStream {
+        let id = super::unique("s");
+        Self::create_on(client, format!("{id}."), tune, false).await
+    }
+
     async fn create(
         prefix: String,
         tune: impl FnOnce(stream::Config) -> stream::Config,
     ) -> TestStream {
-        let client = connect().await;
+        Self::create_on(connect().await, prefix, tune, true).await
+    }
+
+    async fn create_on(
+        client: async_nats::Client,
+        prefix: String,
+        tune: impl FnOnce(stream::Config) -> stream::Config,
+        shared: bool,
+    ) -> TestStream {
         let jetstream = jetstream::new(client.clone());
         let name = prefix.trim_end_matches('.').to_uppercase();
         let config = tune(stream::Config {
@@ -67,6 +87,7 @@ impl TestStream {
             prefix,
             client,
             jetstream,
+            shared,
         }
     }
 
@@ -114,6 +135,9 @@ impl TestStream {
 
 impl Drop for TestStream {
     fn drop(&mut self) {
+        if !self.shared {
+            return;
+        }
         let name = self.name.clone();
         super::block_on_aside(async move {
             if let Ok(client) = async_nats::connect(nats_url()).await {
@@ -126,4 +150,143 @@ impl Drop for TestStream {
 /// The first value of header `name`.
 pub fn header<'a>(message: &'a async_nats::Message, name: &str) -> Option<&'a str> {
     message.headers.as_ref()?.get(name).map(|v| v.as_str())
+}
+
+/// A nats-server of the test's own, on free loopback ports: JetStream, TLS only (a
+/// certificate for `localhost` from a CA of the test's own) and NKey authentication (one
+/// user), its monitoring endpoint on another port. Stopped, and its files removed, when
+/// dropped.
+pub struct TlsNats {
+    /// `tls://localhost:<port>`.
+    pub url: String,
+    /// The CA that signed the server's certificate.
+    pub ca: std::path::PathBuf,
+    /// The NKey seed of the server's one user.
+    pub seed: String,
+    pub monitor: u16,
+    pub dir: std::path::PathBuf,
+    child: std::process::Child,
+}
+
+impl TlsNats {
+    pub fn start() -> TlsNats {
+        let dir = std::env::temp_dir().join(super::unique("outbox_tls_nats"));
+        std::fs::create_dir_all(dir.join("js")).unwrap();
+        let ca = super::tls::Ca::new("diesel-outbox test CA");
+        let server = ca.server(&["localhost"]);
+        let cert = super::tls::write(&dir, "server.pem", &server.cert);
+        let key = super::tls::write(&dir, "server.key", &server.key);
+        let ca_file = super::tls::write(&dir, "ca.pem", &ca.cert());
+        let user = nkeys::KeyPair::new_user();
+        let [port, monitor] = super::cluster::free_ports();
+        let config = format!(
+            "listen: \"127.0.0.1:{port}\"\nhttp: \"127.0.0.1:{monitor}\"\n\
+             jetstream {{ store_dir: \"{js}\" }}\n\
+             tls {{ cert_file: \"{cert}\", key_file: \"{key}\", timeout: 5 }}\n\
+             authorization {{ users: [ {{ nkey: \"{public}\" }} ] }}\n",
+            js = dir.join("js").display(),
+            cert = cert.display(),
+            key = key.display(),
+            public = user.public_key(),
+        );
+        let config_file = super::tls::write(&dir, "nats.conf", &config);
+        let child = std::process::Command::new("/usr/sbin/nats-server")
+            .arg("-c")
+            .arg(&config_file)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start /usr/sbin/nats-server");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", monitor)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        TlsNats {
+            url: format!("tls://localhost:{port}"),
+            ca: ca_file,
+            seed: user.seed().unwrap(),
+            monitor,
+            dir,
+            child,
+        }
+    }
+
+    /// A client of the test's own, over TLS, as the NKey user.
+    pub async fn client(&self) -> async_nats::Client {
+        use async_nats::rustls;
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(&self.ca).unwrap() {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        // The provider named: the test build has both of rustls's compiled in.
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        async_nats::ConnectOptions::new()
+            .nkey(self.seed.clone())
+            .tls_client_config(config)
+            .require_tls(true)
+            .connect(&self.url)
+            .await
+            .expect("connect to the test's nats-server")
+    }
+
+    /// Creates a stream `name` capturing `prefix` + `>`, and a durable pull consumer
+    /// `durable` of it.
+    pub async fn stream(&self, name: &str, prefix: &str, durable: &str) -> jetstream::Context {
+        let js = jetstream::new(self.client().await);
+        let stream = js
+            .create_stream(stream::Config {
+                name: name.to_owned(),
+                subjects: vec![format!("{prefix}>")],
+                ..Default::default()
+            })
+            .await
+            .expect("create stream");
+        stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                durable_name: Some(durable.to_owned()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ..Default::default()
+            })
+            .await
+            .expect("create consumer");
+        js
+    }
+
+    /// The server's `/connz`: the TLS version of each connection whose name is `name`
+    /// (empty for a connection in the clear).
+    pub fn tls_versions(&self, name: &str) -> Vec<String> {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.monitor)).unwrap();
+        write!(stream, "GET /connz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        let connz: serde_json::Value = serde_json::from_str(body).expect("/connz is JSON");
+        connz["connections"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| c["name"] == name)
+            .map(|c| c["tls_version"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    }
+}
+
+impl Drop for TlsNats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

@@ -13,8 +13,6 @@
 //! that count would be PostgreSQL's loss, not the relay's). A writer whose commit was under
 //! way when the primary stopped is resolved against the new primary.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -26,6 +24,7 @@ use diesel_async::RunQueryDsl;
 use crate::Kind;
 use crate::broker::{Broker, consume};
 use crate::common;
+use crate::common::cluster::{Node, Scratch, free_ports};
 use crate::harness::{self, Db, Log, Relays, Run, Tier};
 
 /// The relays' poll interval: long, so that a message committed while they are idle and
@@ -142,70 +141,30 @@ async fn listen_followed(db: &Db, log: &Log, app_name: &str) {
     );
 }
 
-/// A primary and its synchronous streaming replica in a scratch directory.
+/// A primary and its synchronous streaming replica in a scratch directory, on two fixed
+/// ports: after a failover a new replica takes the old primary's port, so the multi-host
+/// URL stays the same.
 struct Pair {
-    dir: PathBuf,
-    bin: PathBuf,
-    nodes: [Node; 2],
+    scratch: Arc<Scratch>,
+    ports: [u16; 2],
+    nodes: [Option<Node>; 2],
     /// Which of `nodes` is the primary.
     primary: usize,
-}
-
-struct Node {
-    port: u16,
-    data: PathBuf,
 }
 
 impl Pair {
     /// Makes and starts the primary (`initdb`) and its replica (`pg_basebackup -R`), and
     /// waits until the replica is a synchronous standby.
     fn start() -> Pair {
-        let bin = server_bin();
-        let dir = std::env::temp_dir().join(common::unique("outbox_failover"));
-        std::fs::create_dir_all(&dir).unwrap();
-        if running_as_root() {
-            let status = Command::new("chown")
-                .arg("postgres:")
-                .arg(&dir)
-                .status()
-                .unwrap();
-            assert!(status.success(), "chown the scratch directory to postgres");
-        }
+        let scratch = Scratch::new("outbox_failover");
         let ports = free_ports();
-        let nodes = ports.map(|port| Node {
-            port,
-            data: dir.join(format!("node-{port}")),
-        });
-        let pair = Pair {
-            dir,
-            bin,
-            nodes,
+        let primary = Node::init(&scratch, ports[0], "", None);
+        let mut pair = Pair {
+            scratch,
+            ports,
+            nodes: [Some(primary), None],
             primary: 0,
         };
-        let primary = &pair.nodes[0];
-        pair.run(
-            "initdb",
-            &[
-                "-D",
-                path(&primary.data),
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-sync",
-            ],
-        );
-        std::fs::write(
-            primary.data.join("postgresql.auto.conf"),
-            format!(
-                "listen_addresses = '127.0.0.1'\nport = {}\nunix_socket_directories = '{}'\n\
-                 fsync = off\nmax_connections = 200\n",
-                primary.port,
-                pair.dir.display()
-            ),
-        )
-        .unwrap();
-        pair.pg_ctl(0, &["start"]);
         pair.rebuild_replica();
         pair
     }
@@ -214,7 +173,7 @@ impl Pair {
     fn url(&self, database: &str) -> String {
         format!(
             "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/{database}?target_session_attrs=read-write",
-            self.nodes[0].port, self.nodes[1].port
+            self.ports[0], self.ports[1]
         )
     }
 
@@ -222,168 +181,36 @@ impl Pair {
         1 - self.primary
     }
 
+    fn node(&self, which: usize) -> &Node {
+        self.nodes[which].as_ref().expect("the node runs")
+    }
+
     /// Promotes the replica, then stops the old primary (commits waiting there for the
     /// replica's acknowledgement are cut off, so their outcome is unknown to the writers).
     fn fail_over(&mut self) {
         let replica = self.replica();
-        self.pg_ctl(replica, &["promote"]);
-        self.pg_ctl(self.primary, &["stop", "-m", "fast"]);
+        self.node(replica).pg_ctl(&["promote"]);
+        self.node(self.primary).pg_ctl(&["stop", "-m", "fast"]);
+        self.nodes[self.primary] = None;
         self.primary = replica;
     }
 
-    /// Makes a new replica from the primary in the other node's place (its old data is
-    /// removed), starts it and makes it the synchronous standby.
-    fn rebuild_replica(&self) {
-        let (primary, replica) = (&self.nodes[self.primary], &self.nodes[self.replica()]);
+    /// Makes a new replica from the primary in the other node's place, starts it and makes
+    /// it the synchronous standby.
+    fn rebuild_replica(&mut self) {
+        let replica = self.replica();
+        self.nodes[replica] = None;
+        let primary = self.node(self.primary);
         // The primary commits alone meanwhile.
-        self.psql(primary.port, "ALTER SYSTEM RESET synchronous_standby_names");
-        self.psql(primary.port, "SELECT pg_reload_conf()");
-        let _ = std::fs::remove_dir_all(&replica.data);
-        self.run(
-            "pg_basebackup",
-            &[
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &primary.port.to_string(),
-                "-U",
-                "postgres",
-                "-D",
-                path(&replica.data),
-                "-R",
-                "-X",
-                "stream",
-                "-c",
-                "fast",
-                "--no-sync",
-            ],
-        );
-        let conf = replica.data.join("postgresql.auto.conf");
-        let mut text = std::fs::read_to_string(&conf).unwrap();
-        text.push_str(&format!(
-            "port = {}\ncluster_name = 'replica'\n",
-            replica.port
-        ));
-        std::fs::write(&conf, text).unwrap();
-        self.pg_ctl(self.replica(), &["start"]);
-        self.psql(
-            primary.port,
-            "ALTER SYSTEM SET synchronous_standby_names = '*'",
-        );
-        self.psql(primary.port, "SELECT pg_reload_conf()");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while self.psql(
-            primary.port,
+        primary.psql("ALTER SYSTEM RESET synchronous_standby_names");
+        primary.psql("SELECT pg_reload_conf()");
+        let node = Node::replica_of(&self.scratch, self.ports[replica], primary);
+        primary.psql("ALTER SYSTEM SET synchronous_standby_names = '*'");
+        primary.psql("SELECT pg_reload_conf()");
+        primary.wait_for(
             "SELECT string_agg(sync_state, ',') FROM pg_stat_replication WHERE state = 'streaming'",
-        ) != "sync"
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the replica did not become a synchronous standby"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn pg_ctl(&self, node: usize, args: &[&str]) {
-        let node = &self.nodes[node];
-        let log = self.dir.join(format!("node-{}.log", node.port));
-        let mut all = vec!["-D", path(&node.data), "-l", path(&log), "-w"];
-        all.extend_from_slice(args);
-        self.run("pg_ctl", &all);
-    }
-
-    /// Runs one of the server's programs as the `postgres` user; panics if it fails.
-    fn run(&self, program: &str, args: &[&str]) {
-        let output = as_postgres(&self.bin.join(program))
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("{program}: {e}"));
-        assert!(
-            output.status.success(),
-            "{program} {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
+            "sync",
         );
+        self.nodes[replica] = Some(node);
     }
-
-    /// Runs `sql` on the node at `port`; returns what it printed, trimmed.
-    fn psql(&self, port: u16, sql: &str) -> String {
-        let output = Command::new(self.bin.join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
-            .args(["-d", "postgres", "-AtX", "-c", sql])
-            .output()
-            .expect("psql");
-        assert!(
-            output.status.success(),
-            "psql {sql:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).trim().to_owned()
-    }
-}
-
-impl Drop for Pair {
-    fn drop(&mut self) {
-        for node in 0..2 {
-            let data = &self.nodes[node].data;
-            if data.join("postmaster.pid").exists() {
-                let _ = as_postgres(&self.bin.join("pg_ctl"))
-                    .args(["-D", path(data), "-m", "immediate", "-w", "stop"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status();
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The newest installed PostgreSQL server's programs (Debian keeps them out of `PATH`).
-fn server_bin() -> PathBuf {
-    let root = Path::new("/usr/lib/postgresql");
-    let newest = std::fs::read_dir(root)
-        .ok()
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .max();
-    let bin = newest.map(|v| root.join(v.to_string()).join("bin"));
-    match bin {
-        Some(bin) if bin.join("pg_basebackup").exists() => bin,
-        _ => panic!(
-            "the failover test needs PostgreSQL's server programs (initdb, pg_ctl, \
-             pg_basebackup) under /usr/lib/postgresql/<version>/bin: apt-get install postgresql"
-        ),
-    }
-}
-
-fn running_as_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
-}
-
-/// PostgreSQL's programs refuse to run as root: then they run as `postgres`.
-fn as_postgres(program: &Path) -> Command {
-    if running_as_root() {
-        let mut command = Command::new("runuser");
-        command.args(["-u", "postgres", "--"]).arg(program);
-        command
-    } else {
-        Command::new(program)
-    }
-}
-
-/// Two loopback ports free right now.
-fn free_ports() -> [u16; 2] {
-    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    [a, b].map(|l| l.local_addr().unwrap().port())
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("a UTF-8 path")
 }

@@ -16,11 +16,10 @@ use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
 use diesel_outbox::{Error, Outbox};
 
 use crate::output::Output;
-use crate::secret::{SecretUrl, Secrets};
+use crate::secret::{Secret, Secrets};
 
 /// Exit codes: 0 success, 1 other failure, 2 usage error, 3 connection failure, 4 table not
 /// migrated.
@@ -37,9 +36,21 @@ const NOT_MIGRATED: u8 = 4;
                   (database or broker), 4 table not migrated."
 )]
 struct Cli {
-    /// PostgreSQL URL.
+    /// PostgreSQL URL, with libpq's TLS parameters if need be (`sslmode`, `sslrootcert`,
+    /// `sslcert`, `sslkey`; `sslmode=prefer` by default).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
-    database_url: Option<SecretUrl>,
+    database_url: Option<Secret>,
+
+    /// A file holding the PostgreSQL URL (a container secret, say), instead of
+    /// `--database-url`.
+    #[arg(
+        long,
+        env = "DATABASE_URL_FILE",
+        global = true,
+        value_name = "PATH",
+        value_parser = secret::read_file
+    )]
+    database_url_file: Option<Secret>,
 
     /// Turn off the prepared statement cache, for a pooler in transaction mode that cannot
     /// track prepared statements (PgBouncer before 1.21). `relay` uses it for its pool too,
@@ -83,6 +94,23 @@ enum Command {
     Relay(Box<relay::RelayArgs>),
 }
 
+impl Cli {
+    /// Each secret given both as a value and as a file, settled (see [`secret::pick`]).
+    fn resolve(mut self, matches: &clap::ArgMatches) -> Result<Self, String> {
+        self.database_url = secret::pick(
+            matches,
+            ("database_url", self.database_url.take()),
+            ("database_url_file", self.database_url_file.take()),
+        )?;
+        if let (Command::Relay(args), Some(("relay", relay))) =
+            (&mut self.command, matches.subcommand())
+        {
+            args.resolve(relay)?;
+        }
+        Ok(self)
+    }
+}
+
 /// A failure with its exit code; its message is redacted before it is printed.
 #[derive(Debug)]
 struct Failure {
@@ -114,8 +142,12 @@ impl From<Error> for Failure {
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let secrets = Secrets::of(&matches);
-    let cli = match Cli::from_arg_matches(&matches) {
-        Ok(cli) => cli,
+    let cli = match Cli::from_arg_matches(&matches).map(|cli| cli.resolve(&matches)) {
+        Ok(Ok(cli)) => cli,
+        Ok(Err(message)) => {
+            eprintln!("error: {message}");
+            return ExitCode::from(USAGE);
+        }
         Err(e) => e.exit(),
     };
     let runtime = match tokio::runtime::Runtime::new() {
@@ -152,7 +184,8 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
     let url = cli.database_url.ok_or_else(|| {
         Failure::new(
             USAGE,
-            "no database: pass --database-url or set DATABASE_URL",
+            "no database: pass --database-url or --database-url-file, or set DATABASE_URL \
+             or DATABASE_URL_FILE",
         )
     })?;
     // Every command, the relay too, fails at once on a database it cannot reach, with the
@@ -160,10 +193,15 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
     let connecting = if cli.no_statement_cache {
         diesel_outbox::establish_without_statement_cache(url.expose()).await
     } else {
-        AsyncPgConnection::establish(url.expose()).await
+        diesel_outbox::establish(url.expose()).await
     };
-    let mut conn = connecting
-        .map_err(|e| Failure::new(CONNECTION, format!("cannot connect to the database: {e}")))?;
+    let mut conn = connecting.map_err(|e| {
+        let code = match e {
+            diesel::ConnectionError::InvalidConnectionUrl(_) => USAGE,
+            _ => CONNECTION,
+        };
+        Failure::new(code, format!("cannot connect to the database: {e}"))
+    })?;
     if let Command::Relay(args) = cli.command {
         drop(conn);
         return relay::run(&outbox, &url, cli.no_statement_cache, *args).await;
@@ -181,6 +219,8 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
 /// The binary's commands run in process, against the local database.
 #[cfg(test)]
 mod tests {
+    use diesel_async::{AsyncConnection, AsyncPgConnection};
+
     use super::*;
 
     /// Runs the CLI in process as the binary would, returning its exit code, stdout and
@@ -200,7 +240,10 @@ mod tests {
             .try_get_matches_from(argv)
             .expect("valid arguments");
         let secrets = Secrets::of(&matches);
-        let cli = Cli::from_arg_matches(&matches).unwrap();
+        let cli = Cli::from_arg_matches(&matches)
+            .unwrap()
+            .resolve(&matches)
+            .unwrap();
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let code = report(run(cli, &mut out, false).await, &secrets, &mut err);
         (
@@ -267,7 +310,10 @@ mod tests {
             .chain(command.iter().copied());
             let matches = Cli::command().try_get_matches_from(argv).unwrap();
             let secrets = Secrets::of(&matches);
-            let cli = Cli::from_arg_matches(&matches).unwrap();
+            let cli = Cli::from_arg_matches(&matches)
+                .unwrap()
+                .resolve(&matches)
+                .unwrap();
             let mut err = Vec::new();
             let started = std::time::Instant::now();
             let code = report(run(cli, &mut Vec::new(), false).await, &secrets, &mut err);

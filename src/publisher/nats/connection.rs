@@ -1,56 +1,119 @@
 //! The link to NATS: a URL taken apart so that credentials never reach async-nats's own
-//! logs, connecting, and a count of lost connections that a batch watches.
+//! logs, the credentials and TLS the builders add, connecting, and a count of lost
+//! connections that a batch watches.
 
+use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::connection::State;
 use async_nats::{Client, ConnectOptions, Event, ServerAddr};
 use tokio::sync::watch;
 
+use crate::connect::percent_decoded;
+use crate::tls::{self, Roots, Tls, Verify};
+
 const MALFORMED: &str = "the NATS URL is malformed (not shown: it may hold credentials)";
 
-/// A NATS URL (or a comma-separated list of them) with its credentials taken out: the
-/// servers without user info, and the user and password, or token, apart.
+/// How a NATS client logs in, for servers that ask: a credentials file, an NKey seed, a
+/// token, or a user and password (which a URL can also carry, as `user:password@` or
+/// `token@`; give them one way only). Its `Debug` never shows a secret.
+///
+/// ```
+/// use diesel_outbox::nats::Credentials;
+///
+/// let creds = Credentials::file("/run/secrets/outbox.creds");
+/// let seed = Credentials::nkey_seed(std::env::var("NATS_NKEY_SEED").unwrap_or_default());
+/// # let _ = (creds, seed);
+/// ```
+#[derive(Clone)]
+pub struct Credentials(Login);
+
+#[derive(Clone)]
+enum Login {
+    None,
+    Token(String),
+    UserPassword(String, String),
+    NKeySeed(String),
+    /// A `.creds` file: its path, and once read its contents.
+    File(PathBuf, Option<Arc<str>>),
+}
+
+impl Credentials {
+    /// A `.creds` file (a user JWT and its NKey seed), as NGS and Synadia Cloud issue
+    /// them. It is read when the publisher connects or the source is built.
+    pub fn file(path: impl Into<PathBuf>) -> Self {
+        Credentials(Login::File(path.into(), None))
+    }
+
+    /// An NKey seed (`SU…`): the client signs the server's challenge with it.
+    pub fn nkey_seed(seed: impl Into<String>) -> Self {
+        Credentials(Login::NKeySeed(seed.into()))
+    }
+
+    /// A token.
+    pub fn token(token: impl Into<String>) -> Self {
+        Credentials(Login::Token(token.into()))
+    }
+
+    /// A user and password.
+    pub fn user_and_password(user: impl Into<String>, password: impl Into<String>) -> Self {
+        Credentials(Login::UserPassword(user.into(), password.into()))
+    }
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            Login::None => f.write_str("Credentials::None"),
+            Login::Token(_) => f.write_str("Credentials::Token(***)"),
+            Login::UserPassword(user, _) => write!(f, "Credentials::UserPassword({user:?}, ***)"),
+            Login::NKeySeed(_) => f.write_str("Credentials::NKeySeed(***)"),
+            Login::File(path, _) => write!(f, "Credentials::File({path:?})"),
+        }
+    }
+}
+
+/// A NATS URL (or a comma-separated list of them) with its credentials taken out, and what
+/// the builder added: the servers without user info, how to log in, and the TLS to use.
 #[derive(Clone)]
 pub(crate) struct Servers {
     addrs: Vec<ServerAddr>,
-    credentials: Credentials,
+    login: Login,
+    tls: Option<Arc<rustls::ClientConfig>>,
     /// `host:port[,host:port…]`: how the servers are named in errors and logs.
     pub(crate) endpoint: String,
 }
 
-#[derive(Clone)]
-enum Credentials {
-    None,
-    Token(String),
-    UserPassword(String, String),
-}
-
 impl Servers {
     /// Parses `nats://[user:password@|token@]host[:port][,…]` (the scheme and the port may
-    /// be left out: `nats://` and 4222). Errors never quote the URL.
+    /// be left out: `nats://` and 4222; `tls://` asks for TLS). Errors never quote the URL.
     pub(crate) fn parse(url: &str) -> Result<Self, String> {
         let mut addrs = Vec::new();
-        let mut credentials = Credentials::None;
+        let mut login = Login::None;
         for part in url.split(',').map(str::trim) {
             if part.is_empty() {
                 return Err(MALFORMED.into());
             }
             let addr = ServerAddr::from_str(part).map_err(|_| MALFORMED.to_owned())?;
             let mut inner = addr.into_inner();
-            let user = percent_decoded(inner.username());
-            let password = inner.password().map(percent_decoded);
-            let found = match (user.is_empty(), password) {
-                (true, None) => Credentials::None,
-                (false, None) => Credentials::Token(user),
-                (_, Some(password)) => Credentials::UserPassword(user, password),
+            let user = percent_decoded(inner.username()).ok_or(MALFORMED)?;
+            let password = match inner.password() {
+                Some(password) => Some(percent_decoded(password).ok_or(MALFORMED)?),
+                None => None,
             };
-            if !matches!(found, Credentials::None) {
-                if !matches!(credentials, Credentials::None) && !same(&credentials, &found) {
+            let found = match (user.is_empty(), password) {
+                (true, None) => Login::None,
+                (false, None) => Login::Token(user),
+                (_, Some(password)) => Login::UserPassword(user, password),
+            };
+            if !matches!(found, Login::None) {
+                if !matches!(login, Login::None) && !same(&login, &found) {
                     return Err("the NATS URLs carry different credentials; give one set".into());
                 }
-                credentials = found;
+                login = found;
             }
             inner
                 .set_password(None)
@@ -65,24 +128,91 @@ impl Servers {
             .join(",");
         Ok(Servers {
             addrs,
-            credentials,
+            login,
+            tls: None,
             endpoint,
         })
     }
 
-    /// Connection options carrying the credentials (never inside the server addresses,
-    /// which async-nats prints in its debug logs).
-    fn options(&self) -> ConnectOptions {
-        let options = ConnectOptions::new();
-        match &self.credentials {
-            Credentials::None => options,
-            Credentials::Token(token) => options.token(token.clone()),
-            Credentials::UserPassword(user, password) => {
-                options.user_and_password(user.clone(), password.clone())
-            }
+    /// Logs in with `credentials`, which must not come on top of credentials in the URL. A
+    /// credentials file is read (and its content checked), an NKey seed checked, now.
+    pub(crate) fn with_credentials(mut self, credentials: &Credentials) -> Result<Self, String> {
+        if !matches!(self.login, Login::None) {
+            return Err(
+                "NATS credentials given twice: in the URL and as credentials; give them one way"
+                    .into(),
+            );
         }
+        self.login = match &credentials.0 {
+            Login::File(path, _) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    format!(
+                        "cannot read the NATS credentials file {}: {e}",
+                        path.display()
+                    )
+                })?;
+                ConnectOptions::with_credentials(&text).map_err(|e| {
+                    format!("{} is not a NATS credentials file: {e}", path.display())
+                })?;
+                Login::File(path.clone(), Some(text.into()))
+            }
+            Login::NKeySeed(seed) => {
+                nkeys::KeyPair::from_seed(seed)
+                    .map_err(|_| "the NKey seed is not valid (not shown)".to_owned())?;
+                Login::NKeySeed(seed.clone())
+            }
+            login => login.clone(),
+        };
+        Ok(self)
     }
 
+    /// Connects over TLS (whatever the URL's scheme says), verifying the server's
+    /// certificate and name against the platform's roots and the CA file of `tls`, and
+    /// showing its client certificate. The files are read now.
+    pub(crate) fn with_tls(mut self, tls: &Tls) -> Result<Self, String> {
+        let loaded = tls.load()?;
+        let ca = loaded.ca.map(|ca| ca.items).unwrap_or_default();
+        let config = tls::client_config(
+            Verify::Full,
+            Roots::PlatformAnd(&ca),
+            loaded.client.as_ref(),
+        )?;
+        self.tls = Some(Arc::new(config));
+        Ok(self)
+    }
+
+    /// Connection options carrying the credentials (never inside the server addresses,
+    /// which async-nats prints in its debug logs) and the TLS configuration.
+    fn options(&self) -> ConnectOptions {
+        let mut options = match &self.login {
+            Login::None => ConnectOptions::new(),
+            Login::Token(token) => ConnectOptions::new().token(token.clone()),
+            Login::UserPassword(user, password) => {
+                ConnectOptions::new().user_and_password(user.clone(), password.clone())
+            }
+            Login::NKeySeed(seed) => ConnectOptions::new().nkey(seed.clone()),
+            // Checked when it was read.
+            Login::File(_, text) => ConnectOptions::with_credentials(text.as_deref().unwrap_or(""))
+                .unwrap_or_else(|_| ConnectOptions::new()),
+        };
+        match &self.tls {
+            Some(config) => {
+                options = options
+                    .tls_client_config((**config).clone())
+                    .require_tls(true);
+            }
+            // For a `tls://` URL or a server that requires TLS: verified against the
+            // platform's roots, on the crate's crypto provider (async-nats's own
+            // configuration would take the process's default provider, which is ambiguous
+            // when both of rustls's providers are compiled in).
+            None => {
+                if let Ok(config) = tls::client_config(Verify::Full, Roots::Platform, None) {
+                    options = options.tls_client_config(config);
+                }
+            }
+        }
+        options
+    }
     /// Connects, failing at once when no server answers within `timeout`. Once connected,
     /// the client reconnects by itself, for ever; every lost connection bumps the returned
     /// counter.
@@ -131,34 +261,12 @@ pub(crate) fn connected(client: &Client) -> bool {
     client.connection_state() == State::Connected
 }
 
-fn same(a: &Credentials, b: &Credentials) -> bool {
+fn same(a: &Login, b: &Login) -> bool {
     match (a, b) {
-        (Credentials::None, Credentials::None) => true,
-        (Credentials::Token(a), Credentials::Token(b)) => a == b,
-        (Credentials::UserPassword(a, p), Credentials::UserPassword(b, q)) => a == b && p == q,
+        (Login::Token(a), Login::Token(b)) => a == b,
+        (Login::UserPassword(a, p), Login::UserPassword(b, q)) => a == b && p == q,
         _ => false,
     }
-}
-
-/// User info in a URL is percent-encoded (`%40` for `@`).
-fn percent_decoded(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
-        {
-            out.push((h * 16 + l) as u8);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -170,7 +278,7 @@ mod tests {
         let servers = Servers::parse("nats://relay:s%40cret@mq.internal:4222").unwrap();
         assert_eq!(servers.endpoint, "mq.internal:4222");
         assert!(
-            matches!(&servers.credentials, Credentials::UserPassword(u, p) if u == "relay" && p == "s@cret")
+            matches!(&servers.login, Login::UserPassword(u, p) if u == "relay" && p == "s@cret")
         );
         for addr in &servers.addrs {
             assert!(!format!("{addr:?}").contains("cret"), "{addr:?}");
@@ -178,10 +286,10 @@ mod tests {
         }
         let token = Servers::parse("nats://t0ken@a:1, nats://b").unwrap();
         assert_eq!(token.endpoint, "a:1,b:4222");
-        assert!(matches!(&token.credentials, Credentials::Token(t) if t == "t0ken"));
+        assert!(matches!(&token.login, Login::Token(t) if t == "t0ken"));
         assert!(matches!(
-            Servers::parse("127.0.0.1:4222").unwrap().credentials,
-            Credentials::None
+            Servers::parse("127.0.0.1:4222").unwrap().login,
+            Login::None
         ));
     }
 
@@ -201,5 +309,48 @@ mod tests {
             err.contains("different credentials") && !err.contains("two"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn credentials_come_one_way_are_checked_when_given_and_never_shown() {
+        let url_and_builder = Servers::parse("nats://tok@a:1")
+            .unwrap()
+            .with_credentials(&Credentials::token("other"))
+            .err()
+            .unwrap();
+        assert!(url_and_builder.contains("given twice"), "{url_and_builder}");
+        let seed = Servers::parse("nats://a:1")
+            .unwrap()
+            .with_credentials(&Credentials::nkey_seed("SUnot-a-seed-s3cret"))
+            .err()
+            .unwrap();
+        assert!(
+            seed.contains("not valid") && !seed.contains("s3cret"),
+            "{seed}"
+        );
+        let good = nkeys::KeyPair::new_user().seed().unwrap();
+        assert!(
+            Servers::parse("nats://a:1")
+                .unwrap()
+                .with_credentials(&Credentials::nkey_seed(&good))
+                .is_ok()
+        );
+        let missing = Servers::parse("nats://a:1")
+            .unwrap()
+            .with_credentials(&Credentials::file("/nonexistent/outbox.creds"))
+            .err()
+            .unwrap();
+        assert!(
+            missing.contains("cannot read the NATS credentials file /nonexistent/outbox.creds"),
+            "{missing}"
+        );
+        for (creds, secret) in [
+            (Credentials::nkey_seed(good.as_str()), good.as_str()),
+            (Credentials::token("t0ken"), "t0ken"),
+            (Credentials::user_and_password("u", "pa55"), "pa55"),
+        ] {
+            let shown = format!("{creds:?}");
+            assert!(!shown.contains(secret) && shown.contains("***"), "{shown}");
+        }
     }
 }

@@ -35,13 +35,35 @@
 //!
 //! Credentials in the URL (`nats://user:password@host` or `nats://token@host`) are handed
 //! to async-nats as options, never inside the server addresses it logs; they never appear
-//! in the publisher's `Debug` output, its errors or its logs.
+//! in the publisher's `Debug` output, its errors or its logs. The same holds for the
+//! [`Credentials`] of the builder: a `.creds` file (a user JWT and its NKey seed, as NGS and
+//! Synadia Cloud issue), an NKey seed, a token, or a user and password; give them one way.
+//!
+//! TLS: with [`JetStreamPublisherBuilder::tls`] the connection is always over TLS (rustls),
+//! the server's certificate and name verified against the platform's roots and the given
+//! CA file, with the given client certificate; a `tls://` URL, or a server that requires
+//! TLS, without it verifies against the platform's roots alone. The consumer runner's
+//! source (`consumer::nats::Source`) takes the same credentials and TLS settings.
+//!
+//! ```no_run
+//! use diesel_outbox::Tls;
+//! use diesel_outbox::nats::{Credentials, JetStreamPublisher};
+//!
+//! # async fn run() -> Result<(), diesel_outbox::Error> {
+//! let publisher = JetStreamPublisher::builder("tls://connect.ngs.global")
+//!     .subject_prefix("outbox.")
+//!     .credentials(Credentials::file("/run/secrets/outbox.creds"))
+//!     .tls(Tls::new())
+//!     .connect()
+//!     .await?;
+//! # let _ = publisher; Ok(()) }
+//! ```
 //!
 //! Hazard: async-nats itself logs the connection handshake, credentials included, at
 //! `trace` level under the `async_nats` target. Filter that target (`async_nats=debug`, as
 //! the `diesel-outbox` binary does) wherever credentials must not reach the logs.
 //!
-//! Inside: `connection` (the URL and its credentials, connecting, lost connections),
+//! Inside: `connection` (the URL, credentials and TLS, connecting, lost connections),
 //! `properties` (a record as a NATS message, and the checks of what NATS takes),
 //! `pipeline` (a batch sent at once, its acknowledgements matched to records).
 
@@ -56,10 +78,12 @@ use async_nats::Client;
 use async_nats::jetstream;
 use tokio::sync::watch;
 
+pub use self::connection::Credentials;
 pub(crate) use self::connection::{Servers, connected};
 pub(crate) use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
 use crate::error::{Error, Result};
 use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
+use crate::tls::Tls;
 
 /// Far above what the relay ever has in flight (pipelined batches of at most 10,000).
 const MAX_ACK_INFLIGHT: usize = 1 << 20;
@@ -106,6 +130,8 @@ pub struct JetStreamPublisherBuilder {
     url: String,
     prefix: String,
     ack_timeout: Duration,
+    credentials: Option<Credentials>,
+    tls: Option<Tls>,
 }
 
 impl fmt::Debug for JetStreamPublisherBuilder {
@@ -113,18 +139,22 @@ impl fmt::Debug for JetStreamPublisherBuilder {
         f.debug_struct("JetStreamPublisherBuilder")
             .field("subject_prefix", &self.prefix)
             .field("ack_timeout", &self.ack_timeout)
+            .field("credentials", &self.credentials)
+            .field("tls", &self.tls)
             .finish_non_exhaustive()
     }
 }
 
 impl JetStreamPublisher {
-    /// A publisher to the NATS server(s) at `url`: `nats://[user:password@|token@]host:port`,
-    /// or several such URLs separated by commas.
+    /// A publisher to the NATS server(s) at `url`: `nats://[user:password@|token@]host:port`
+    /// (`tls://` for TLS), or several such URLs separated by commas.
     pub fn builder(url: impl Into<String>) -> JetStreamPublisherBuilder {
         JetStreamPublisherBuilder {
             url: url.into(),
             prefix: String::new(),
             ack_timeout: crate::defaults::ACK_TIMEOUT,
+            credentials: None,
+            tls: None,
         }
     }
 
@@ -151,15 +181,34 @@ impl JetStreamPublisherBuilder {
         self
     }
 
+    /// How to log in: a credentials file, an NKey seed, a token, or a user and password.
+    /// Defaults to the URL's user info, if any (give credentials one way only).
+    pub fn credentials(mut self, credentials: Credentials) -> Self {
+        self.credentials = Some(credentials);
+        self
+    }
+
+    /// Connects over TLS, verifying the server's certificate and name against the
+    /// platform's roots and the CA file of `tls`, and showing its client certificate.
+    /// Defaults to TLS only when the URL says `tls://` or the server requires it.
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
     /// Validates the settings and connects (failing fast on a wrong URL or an unreachable
     /// server). Later connection losses are repaired by the client itself.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for a malformed URL (not echoed: it may hold credentials),
-    /// a subject prefix that cannot start a valid subject, or a zero ack timeout;
-    /// [`Error::Publish`] when no server answers.
+    /// credentials given both in the URL and with [`credentials`](Self::credentials), a
+    /// credentials, CA, certificate or key file that is missing, unreadable or malformed
+    /// (naming the file), an NKey seed that is not one (not echoed), a subject prefix
+    /// that cannot start a valid subject, or a zero ack timeout; [`Error::Publish`] when no
+    /// server answers (naming the cause, such as a certificate that does not verify).
     pub async fn connect(self) -> Result<JetStreamPublisher> {
-        let servers = Servers::parse(&self.url).map_err(Error::InvalidOption)?;
+        let servers = secured(&self.url, self.credentials.as_ref(), self.tls.as_ref())
+            .map_err(Error::InvalidOption)?;
         if !self.prefix.is_empty() {
             properties::check_subject(&format!("{}x", self.prefix)).map_err(|why| {
                 Error::InvalidOption(format!("subject_prefix cannot start a subject: {why}"))
@@ -190,6 +239,22 @@ impl JetStreamPublisherBuilder {
             lost,
         })
     }
+}
+
+/// The servers of `url` with the credentials and TLS the builder set.
+pub(crate) fn secured(
+    url: &str,
+    credentials: Option<&Credentials>,
+    tls: Option<&Tls>,
+) -> std::result::Result<Servers, String> {
+    let mut servers = Servers::parse(url)?;
+    if let Some(credentials) = credentials {
+        servers = servers.with_credentials(credentials)?;
+    }
+    if let Some(tls) = tls {
+        servers = servers.with_tls(tls)?;
+    }
+    Ok(servers)
 }
 
 impl Publisher for JetStreamPublisher {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use lapin::options::ConfirmSelectOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::{Channel, Connection, ConnectionProperties, ConnectionStatus, ErrorKind};
+use lapin::{Channel, Connection, ConnectionStatus, ErrorKind};
 use tokio::time::Instant;
 
 use super::RabbitMqPublisher;
@@ -85,7 +85,7 @@ impl RabbitMqPublisher {
             {
                 return Err(format!(
                     "RabbitMQ at {} is unreachable; reconnecting in {:?}",
-                    self.endpoint,
+                    self.endpoint.name,
                     at - Instant::now()
                 ));
             }
@@ -93,24 +93,24 @@ impl RabbitMqPublisher {
             // hold the publisher (and this lock) forever.
             let connecting = tokio::time::timeout(
                 self.confirm_timeout,
-                Connection::connect_uri(self.uri.clone(), ConnectionProperties::default()),
+                self.endpoint.connect(&self.connection_name),
             )
             .await
             .map_err(|_| format!("no handshake within {:?}", self.confirm_timeout))
             .and_then(|connected| connected.map_err(|e| e.to_string()));
             match connecting {
                 Ok(connection) => {
-                    tracing::info!(endpoint = %self.endpoint, "connected to RabbitMQ");
+                    tracing::info!(endpoint = %self.endpoint.name, "connected to RabbitMQ");
                     link.connection = Some(connection);
                 }
                 Err(e) => {
                     let delay = link.backoff.failed();
                     link.retry_at = Some(Instant::now() + delay);
                     // The relay reports the outage; this is the detail.
-                    tracing::debug!(endpoint = %self.endpoint, error = %e, retry_in = ?delay, "connecting to RabbitMQ failed");
+                    tracing::debug!(endpoint = %self.endpoint.name, error = %e, retry_in = ?delay, "connecting to RabbitMQ failed");
                     return Err(format!(
                         "connecting to RabbitMQ at {} failed: {e}",
-                        self.endpoint
+                        self.endpoint.name
                     ));
                 }
             }
@@ -127,13 +127,13 @@ impl RabbitMqPublisher {
             Ok(opened) => opened.map_err(|e| {
                 format!(
                     "opening a confirm channel on RabbitMQ at {} failed: {e}",
-                    self.endpoint
+                    self.endpoint.name
                 )
             })?,
             Err(_) => {
                 return Err(format!(
                     "opening a confirm channel on RabbitMQ at {} took over {:?}",
-                    self.endpoint, self.confirm_timeout
+                    self.endpoint.name, self.confirm_timeout
                 ));
             }
         };

@@ -26,6 +26,25 @@
 //! close the connection, failing every batch on it). Enqueue refuses all of these already;
 //! the check covers rows written by other means.
 //!
+//! TLS: an `amqps://` URL connects over TLS (rustls), the broker's certificate and name
+//! verified against the platform's roots and the CA file of
+//! [`RabbitMqPublisherBuilder::tls`], with its client certificate if given; add
+//! `?auth_mechanism=external` to the URL to log in with that certificate (Amazon MQ and
+//! RabbitMQ's `rabbitmq_auth_mechanism_ssl` map certificates to users). The consumer
+//! runner's source (`consumer::rabbitmq::Source`) takes the same settings.
+//!
+//! ```no_run
+//! use diesel_outbox::Tls;
+//! use diesel_outbox::rabbitmq::RabbitMqPublisher;
+//!
+//! # async fn run() -> Result<(), diesel_outbox::Error> {
+//! let publisher = RabbitMqPublisher::builder("amqps://relay:secret@mq.example.com/%2f", "events")
+//!     .tls(Tls::new().ca_file("/etc/outbox/mq-ca.pem"))
+//!     .connect()
+//!     .await?;
+//! # let _ = publisher; Ok(()) }
+//! ```
+//!
 //! The publisher reconnects by itself: after the channel or the connection dies, the next
 //! batch opens new ones (with backoff between failed attempts). URLs and passwords never
 //! appear in its `Debug` output, its errors or its logs. Each batch publishes on a channel
@@ -37,11 +56,13 @@
 //! and passwords must not reach the logs.
 
 //!
-//! Inside: `connection` (the link, its channels and reconnecting), `properties` (a record
+//! Inside: `endpoint` (the URL and the TLS files, connecting with both), `connection` (the
+//! link, its channels and reconnecting), `properties` (a record
 //! as AMQP properties, and the checks of what RabbitMQ accepts), `pipeline` (a batch
 //! published at once, its confirms and returns matched to records).
 
 mod connection;
+mod endpoint;
 mod pipeline;
 mod properties;
 
@@ -50,12 +71,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::types::ShortString;
-use lapin::uri::AMQPUri;
 use tokio::sync::Mutex;
 
 use self::connection::Link;
+pub(crate) use self::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
+use crate::tls::Tls;
 
 /// Publishes records to a RabbitMQ exchange with publisher confirms; see the
 /// [module docs](self).
@@ -70,9 +92,9 @@ use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_onc
 /// # let _ = publisher; Ok(()) }
 /// ```
 pub struct RabbitMqPublisher {
-    uri: AMQPUri,
-    /// `host:port/vhost`: how the broker is named in errors and logs (never the URL).
-    endpoint: String,
+    endpoint: Endpoint,
+    /// How the publisher's connection is named on the broker.
+    connection_name: String,
     exchange: ShortString,
     mandatory: bool,
     confirm_timeout: Duration,
@@ -82,7 +104,7 @@ pub struct RabbitMqPublisher {
 impl fmt::Debug for RabbitMqPublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitMqPublisher")
-            .field("endpoint", &self.endpoint)
+            .field("endpoint", &self.endpoint.name)
             .field("exchange", &self.exchange.as_str())
             .field("mandatory", &self.mandatory)
             .field("confirm_timeout", &self.confirm_timeout)
@@ -97,6 +119,7 @@ pub struct RabbitMqPublisherBuilder {
     exchange: String,
     mandatory: bool,
     confirm_timeout: Duration,
+    tls: Option<Tls>,
 }
 
 impl fmt::Debug for RabbitMqPublisherBuilder {
@@ -105,13 +128,16 @@ impl fmt::Debug for RabbitMqPublisherBuilder {
             .field("exchange", &self.exchange)
             .field("mandatory", &self.mandatory)
             .field("confirm_timeout", &self.confirm_timeout)
+            .field("tls", &self.tls)
             .finish_non_exhaustive()
     }
 }
 
 impl RabbitMqPublisher {
-    /// A publisher to `exchange` on the broker at `url` (`amqp://user:pass@host:port/vhost`).
-    /// The exchange must exist: declare it in your deployment or at start-up.
+    /// A publisher to `exchange` on the broker at `url` (`amqp://user:pass@host:port/vhost`,
+    /// or `amqps://` for TLS; `?auth_mechanism=external` logs in with the client
+    /// certificate of [`RabbitMqPublisherBuilder::tls`]). The exchange must exist: declare
+    /// it in your deployment or at start-up.
     pub fn builder(
         url: impl Into<String>,
         exchange: impl Into<String>,
@@ -121,6 +147,7 @@ impl RabbitMqPublisher {
             exchange: exchange.into(),
             mandatory: true,
             confirm_timeout: crate::defaults::CONFIRM_TIMEOUT,
+            tls: None,
         }
     }
 
@@ -147,19 +174,26 @@ impl RabbitMqPublisherBuilder {
         self
     }
 
+    /// TLS settings for an `amqps://` URL: a CA file to trust besides the platform's roots,
+    /// and a client certificate (which `?auth_mechanism=external` in the URL logs in with).
+    /// The server's certificate and name are always verified. Defaults to the platform's
+    /// roots and no client certificate.
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
     /// Validates the settings and connects (failing fast on a wrong URL or an unreachable
     /// broker). Later connection losses are repaired by the publisher itself.
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] for a malformed URL (not echoed: it may hold a password), an
-    /// exchange name over 255 bytes or a zero confirm timeout; [`Error::Publish`] when the
-    /// broker cannot be reached.
+    /// [`Error::InvalidOption`] for a malformed URL (not echoed: it may hold a password), TLS
+    /// settings with an `amqp://` URL, a TLS file that is missing, unreadable or not PEM
+    /// (naming the file), an exchange name over 255 bytes or a zero confirm timeout;
+    /// [`Error::Publish`] when the broker cannot be reached (naming the cause, such as a
+    /// certificate that does not verify).
     pub async fn connect(self) -> Result<RabbitMqPublisher> {
-        let uri: AMQPUri = self.url.parse().map_err(|_| {
-            Error::InvalidOption(
-                "the AMQP URL is malformed (not shown: it may hold a password)".into(),
-            )
-        })?;
+        let endpoint = Endpoint::new(&self.url, self.tls.as_ref()).map_err(Error::InvalidOption)?;
         let exchange = ShortString::try_new(self.exchange)
             .map_err(|_| Error::InvalidOption("exchange name is over 255 bytes".into()))?;
         if self.confirm_timeout.is_zero() {
@@ -167,12 +201,8 @@ impl RabbitMqPublisherBuilder {
                 "confirm_timeout must be above zero".into(),
             ));
         }
-        let endpoint = format!(
-            "{}:{}/{}",
-            uri.authority.host, uri.authority.port, uri.vhost
-        );
         let publisher = RabbitMqPublisher {
-            uri,
+            connection_name: format!("diesel-outbox publisher to {}", exchange.as_str()),
             endpoint,
             exchange,
             mandatory: self.mandatory,

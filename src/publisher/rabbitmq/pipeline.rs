@@ -31,7 +31,7 @@ impl RabbitMqPublisher {
                 return all(&|| {
                     PublishError::unavailable(format!(
                         "no channel on RabbitMQ at {} within {:?}",
-                        self.endpoint, self.confirm_timeout
+                        self.endpoint.name, self.confirm_timeout
                     ))
                 });
             }
@@ -44,7 +44,7 @@ impl RabbitMqPublisher {
         let blocked = || {
             PublishError::unavailable(format!(
                 "RabbitMQ at {} blocked the connection (a resource alarm is on)",
-                self.endpoint
+                self.endpoint.name
             ))
         };
         if status.blocked() {
@@ -96,7 +96,7 @@ impl RabbitMqPublisher {
                     } else {
                         PublishError::transient(format!(
                             "RabbitMQ at {} took not all of this message's frames within {:?}",
-                            self.endpoint, self.confirm_timeout
+                            self.endpoint.name, self.confirm_timeout
                         ))
                     };
                     unwritten = Some(PublishError::unavailable(format!(
@@ -110,7 +110,7 @@ impl RabbitMqPublisher {
         }
         let complete = gather(pending, deadline, &mut confirms).await;
         if !complete {
-            tracing::warn!(endpoint = %self.endpoint, timeout = ?self.confirm_timeout, "RabbitMQ confirm timeout");
+            tracing::warn!(endpoint = %self.endpoint.name, timeout = ?self.confirm_timeout, "RabbitMQ confirm timeout");
         }
         let exchange = self.exchange.as_str();
         let timed_out = || {
