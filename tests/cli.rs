@@ -89,9 +89,10 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
 
+    // A short lease alone: the drain and confirm timeouts follow it.
     let mut relay = Command::new(BIN)
         .args(["--table", &table, "relay", "--exchange", &broker.exchange])
-        .args(["--poll-interval", "100ms"])
+        .args(["--poll-interval", "100ms", "--lease", "4s"])
         .env("DATABASE_URL", database_url())
         .env("AMQP_URL", amqp_url())
         .env("RUST_LOG", "info")

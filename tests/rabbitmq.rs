@@ -614,3 +614,59 @@ async fn a_broker_outage_spends_no_attempts_and_the_backlog_drains_when_it_is_ba
     received.sort();
     assert_eq!(received, expected);
 }
+
+/// A short lease alone is enough: what the user left at its default (the confirm timeout,
+/// the drain timeout) follows the lease, and the relay publishes; a value set explicitly
+/// that does not fit is still refused, naming the option.
+#[tokio::test]
+async fn a_short_lease_alone_is_enough_and_an_explicit_misfit_is_refused() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let defaults = RabbitMqPublisher::builder(amqp_url(), &broker.exchange)
+        .connect()
+        .await
+        .unwrap();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), defaults)
+        .lease(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.enqueue(Message::new("t", "x").key("short-lease")).await;
+    let delivery = next(&mut consumer, DEADLINE).await.expect("published");
+    assert_eq!(message_id(&delivery), "short-lease");
+    stop_relay(stop, task).await;
+
+    let explicit = RabbitMqPublisher::builder(amqp_url(), &broker.exchange)
+        .confirm_timeout(Duration::from_secs(1))
+        .connect()
+        .await
+        .unwrap();
+    let err = f
+        .outbox
+        .relay(f.pool.clone(), explicit)
+        .lease(Duration::from_secs(1))
+        .build()
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("confirm_timeout") && err.contains("half the lease"),
+        "{err}"
+    );
+    let err = f
+        .outbox
+        .relay(f.pool.clone(), publisher(&broker.exchange).await)
+        .lease(Duration::from_secs(20))
+        .drain_timeout(Duration::from_secs(11))
+        .build()
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("drain_timeout 11s exceeds half the lease"),
+        "{err}"
+    );
+}

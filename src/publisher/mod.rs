@@ -258,6 +258,15 @@ pub trait Publisher: Send + Sync + 'static {
     fn timeout(&self) -> Option<std::time::Duration> {
         None
     }
+
+    /// Called by the relay's `build()` with the longest a publish may take there (half the
+    /// lease): a publisher whose own [`timeout`](Publisher::timeout) the user left at its
+    /// default lowers it to at most `max`, so a short lease needs no other setting. One set
+    /// explicitly stays as it is (and `build()` fails if it does not fit). Defaults to
+    /// nothing.
+    fn fit_timeout(&mut self, max: std::time::Duration) {
+        let _ = max;
+    }
 }
 
 impl<P: Publisher> Publisher for std::sync::Arc<P> {
@@ -271,5 +280,13 @@ impl<P: Publisher> Publisher for std::sync::Arc<P> {
 
     fn timeout(&self) -> Option<std::time::Duration> {
         (**self).timeout()
+    }
+
+    /// Fits the publisher's timeout when this is its only handle (a shared publisher is
+    /// left as it is).
+    fn fit_timeout(&mut self, max: std::time::Duration) {
+        if let Some(publisher) = std::sync::Arc::get_mut(self) {
+            publisher.fit_timeout(max);
+        }
     }
 }

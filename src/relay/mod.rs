@@ -127,9 +127,10 @@ impl<P: Publisher> RelayBuilder<P> {
 
     /// On shutdown, how long publishes under way may take to finish (at most half the
     /// lease, and 1 hour); the rest are released without spending an attempt. Defaults to
-    /// 10 s.
+    /// 10 s, or half the lease when that is shorter.
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.options.drain_timeout = timeout;
+        self.options.drain_timeout_set = true;
         self
     }
 
@@ -176,7 +177,10 @@ impl<P: Publisher> RelayBuilder<P> {
     /// Besides each option's own range, the options must fit together: a publish may take
     /// half the lease (then the relay abandons it and records a "publish timed out"
     /// failure), so the publisher's own timeout ([`Publisher::timeout`], for RabbitMQ its
-    /// confirm timeout) and the `drain_timeout` must each be at most half the lease.
+    /// confirm timeout) and the `drain_timeout` must each be at most half the lease. Those
+    /// the user left at their defaults are lowered to fit (see
+    /// [`Publisher::fit_timeout`]); only a value set explicitly that does not fit is an
+    /// error.
     ///
     /// # Errors
     /// [`Error::InvalidOption`](crate::Error::InvalidOption) naming the option and its valid range.
@@ -190,7 +194,9 @@ impl<P: Publisher> RelayBuilder<P> {
 
     /// [`RelayBuilder::build`] on another store than the pool's (the relay's unit tests use
     /// one in memory).
-    fn build_on(self, store: Arc<dyn Store>) -> Result<Relay<P>> {
+    fn build_on(mut self, store: Arc<dyn Store>) -> Result<Relay<P>> {
+        self.options.fit_to_lease();
+        self.publisher.fit_timeout(self.options.publish_bound());
         self.options.validate(self.publisher.timeout())?;
         Ok(Relay {
             inner: Arc::new(Inner {

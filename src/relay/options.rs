@@ -16,6 +16,8 @@ pub(crate) struct Options {
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
     pub(crate) drain_timeout: Duration,
+    /// Whether the user set `drain_timeout` (otherwise it follows the lease).
+    pub(crate) drain_timeout_set: bool,
     pub(crate) listen: bool,
     pub(crate) retention: Option<Duration>,
     pub(crate) inbox_retention: Option<Duration>,
@@ -33,6 +35,7 @@ impl Default for Options {
             backoff_min: defaults::BACKOFF_MIN,
             backoff_max: defaults::BACKOFF_MAX,
             drain_timeout: defaults::DRAIN_TIMEOUT,
+            drain_timeout_set: false,
             listen: true,
             retention: Some(defaults::RETENTION),
             inbox_retention: Some(defaults::INBOX_RETENTION),
@@ -44,6 +47,19 @@ impl Default for Options {
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 impl Options {
+    /// The longest a publish may take: half the lease.
+    pub(crate) fn publish_bound(&self) -> Duration {
+        self.lease / 2
+    }
+
+    /// Fits what the user did not set to the lease: the drain timeout is at most
+    /// [`Options::publish_bound`].
+    pub(crate) fn fit_to_lease(&mut self) {
+        if !self.drain_timeout_set {
+            self.drain_timeout = defaults::DRAIN_TIMEOUT.min(self.publish_bound());
+        }
+    }
+
     /// Checks each option's range, and that the timeouts fit the lease: a publish may take
     /// half the lease, so `publisher_timeout` (the publisher's own bound, if any) and the
     /// drain timeout must not exceed that.
@@ -80,7 +96,7 @@ impl Options {
                 self.drain_timeout
             ));
         }
-        let half = self.lease / 2;
+        let half = self.publish_bound();
         if self.drain_timeout > half {
             return bad(format!(
                 "drain_timeout {:?} exceeds half the lease ({:?}), the longest a publish may \
@@ -151,5 +167,31 @@ mod tests {
         Options::default()
             .validate(Some(Duration::from_secs(10)))
             .unwrap();
+    }
+
+    #[test]
+    fn what_the_user_did_not_set_follows_the_lease_and_what_they_set_is_checked() {
+        let mut short = Options {
+            lease: Duration::from_secs(1),
+            ..Options::default()
+        };
+        short.fit_to_lease();
+        assert_eq!(short.drain_timeout, Duration::from_millis(500));
+        short.validate(Some(Duration::from_millis(500))).unwrap();
+        let mut long = Options::default();
+        long.fit_to_lease();
+        assert_eq!(long.drain_timeout, defaults::DRAIN_TIMEOUT);
+        let mut explicit = Options {
+            lease: Duration::from_secs(4),
+            drain_timeout: Duration::from_secs(3),
+            drain_timeout_set: true,
+            ..Options::default()
+        };
+        explicit.fit_to_lease();
+        let err = explicit.validate(None).unwrap_err().to_string();
+        assert!(
+            err.contains("drain_timeout 3s exceeds half the lease (2s)"),
+            "{err}"
+        );
     }
 }

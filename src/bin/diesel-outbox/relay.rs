@@ -143,9 +143,10 @@ pub(crate) struct RelayArgs {
     /// Largest retry backoff.
     #[arg(long, default_value_t = Period(defaults::BACKOFF_MAX), allow_hyphen_values = true)]
     pub(crate) backoff_max: Period,
-    /// How long publishes under way may finish on shutdown.
-    #[arg(long, default_value_t = Period(defaults::DRAIN_TIMEOUT), allow_hyphen_values = true)]
-    pub(crate) drain_timeout: Period,
+    /// How long publishes under way may finish on shutdown [default: 10s, or half the
+    /// lease when that is shorter].
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) drain_timeout: Option<Period>,
     /// Poll only; do not LISTEN for wake-ups (LISTEN needs a session of its own).
     #[arg(long)]
     without_listen: bool,
@@ -156,9 +157,9 @@ pub(crate) struct RelayArgs {
     #[arg(long, default_value_t = Age(Some(defaults::INBOX_RETENTION)), allow_hyphen_values = true)]
     pub(crate) inbox_retention: Age,
     /// The longest a batch may wait for the broker's confirms (RabbitMQ) or
-    /// acknowledgements (NATS).
-    #[arg(long, default_value_t = Period(defaults::CONFIRM_TIMEOUT), allow_hyphen_values = true)]
-    pub(crate) confirm_timeout: Period,
+    /// acknowledgements (NATS) [default: 10s, or half the lease when that is shorter].
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) confirm_timeout: Option<Period>,
     /// The most payload and header bytes one claim takes (at least one row).
     #[arg(long, default_value_t = defaults::MAX_BATCH_BYTES)]
     pub(crate) max_batch_bytes: usize,
@@ -247,8 +248,10 @@ pub(crate) async fn run(
                          AMQP_URL_FILE) and --exchange (or OUTBOX_EXCHANGE)",
                     ));
                 };
-                let mut publisher = RabbitMqPublisher::builder(url.expose(), exchange)
-                    .confirm_timeout(args.confirm_timeout.0);
+                let mut publisher = RabbitMqPublisher::builder(url.expose(), exchange);
+                if let Some(timeout) = args.confirm_timeout {
+                    publisher = publisher.confirm_timeout(timeout.0);
+                }
                 if let Some(tls) = tls(&args.amqp_tls_ca, &args.amqp_tls_cert, &args.amqp_tls_key) {
                     publisher = publisher.tls(tls);
                 }
@@ -263,9 +266,11 @@ pub(crate) async fn run(
                          NATS_URL_FILE)",
                     ));
                 };
-                let mut publisher = JetStreamPublisher::builder(url.expose())
-                    .subject_prefix(&args.subject_prefix)
-                    .ack_timeout(args.confirm_timeout.0);
+                let mut publisher =
+                    JetStreamPublisher::builder(url.expose()).subject_prefix(&args.subject_prefix);
+                if let Some(timeout) = args.confirm_timeout {
+                    publisher = publisher.ack_timeout(timeout.0);
+                }
                 let files = tls(&args.nats_tls_ca, &args.nats_tls_cert, &args.nats_tls_key);
                 if let Some(tls) = files.or_else(|| args.nats_tls.then(Tls::new)) {
                     publisher = publisher.tls(tls);
@@ -370,7 +375,6 @@ fn build<P: Publisher>(
         .poll_interval(args.poll_interval.0)
         .max_attempts(args.max_attempts)
         .backoff(args.backoff_min.0, args.backoff_max.0)
-        .drain_timeout(args.drain_timeout.0)
         .retention(args.retention.0)
         .inbox_retention(args.inbox_retention.0)
         .max_batch_bytes(args.max_batch_bytes);
@@ -379,6 +383,9 @@ fn build<P: Publisher>(
     }
     if args.without_listen {
         builder = builder.without_listen();
+    }
+    if let Some(drain) = args.drain_timeout {
+        builder = builder.drain_timeout(drain.0);
     }
     Ok(builder.build()?)
 }

@@ -107,6 +107,8 @@ pub struct JetStreamPublisher {
     endpoint: String,
     prefix: String,
     ack_timeout: Duration,
+    /// Whether the user set `ack_timeout` (otherwise a relay fits it to its lease).
+    ack_timeout_set: bool,
     client: Client,
     jetstream: jetstream::Context,
     /// Bumped on every lost connection.
@@ -130,6 +132,7 @@ pub struct JetStreamPublisherBuilder {
     url: String,
     prefix: String,
     ack_timeout: Duration,
+    ack_timeout_set: bool,
     credentials: Option<Credentials>,
     tls: Option<Tls>,
 }
@@ -153,6 +156,7 @@ impl JetStreamPublisher {
             url: url.into(),
             prefix: String::new(),
             ack_timeout: crate::defaults::ACK_TIMEOUT,
+            ack_timeout_set: false,
             credentials: None,
             tls: None,
         }
@@ -178,6 +182,7 @@ impl JetStreamPublisherBuilder {
     /// `build()` that it fits in half its lease. Defaults to 10 s.
     pub fn ack_timeout(mut self, timeout: Duration) -> Self {
         self.ack_timeout = timeout;
+        self.ack_timeout_set = true;
         self
     }
 
@@ -224,18 +229,13 @@ impl JetStreamPublisherBuilder {
             .await
             .map_err(|why| Error::Publish(PublishError::unavailable(why).into()))?;
         tracing::info!(endpoint = %servers.endpoint, "connected to NATS");
-        // No limit of the client's on acknowledgements awaited: a batch sends all its
-        // records before it awaits any, and the relay bounds what is in flight.
-        let jetstream = jetstream::ContextBuilder::new()
-            .timeout(self.ack_timeout)
-            .max_ack_inflight(MAX_ACK_INFLIGHT)
-            .build(client.clone());
         Ok(JetStreamPublisher {
             endpoint: servers.endpoint,
             prefix: self.prefix,
+            jetstream: context(&client, self.ack_timeout),
             ack_timeout: self.ack_timeout,
+            ack_timeout_set: self.ack_timeout_set,
             client,
-            jetstream,
             lost,
         })
     }
@@ -272,4 +272,21 @@ impl Publisher for JetStreamPublisher {
     fn timeout(&self) -> Option<Duration> {
         Some(self.ack_timeout)
     }
+
+    fn fit_timeout(&mut self, max: Duration) {
+        if !self.ack_timeout_set && self.ack_timeout > max {
+            self.ack_timeout = max;
+            self.jetstream = context(&self.client, max);
+        }
+    }
+}
+
+/// The JetStream context: acknowledgements awaited for at most `timeout`, and no limit of
+/// the client's on how many (a batch sends all its records before it awaits any, and the
+/// relay bounds what is in flight).
+fn context(client: &Client, timeout: Duration) -> jetstream::Context {
+    jetstream::ContextBuilder::new()
+        .timeout(timeout)
+        .max_ack_inflight(MAX_ACK_INFLIGHT)
+        .build(client.clone())
 }

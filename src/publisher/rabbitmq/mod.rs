@@ -98,6 +98,8 @@ pub struct RabbitMqPublisher {
     exchange: ShortString,
     mandatory: bool,
     confirm_timeout: Duration,
+    /// Whether the user set `confirm_timeout` (otherwise a relay fits it to its lease).
+    confirm_timeout_set: bool,
     link: Arc<Mutex<Link>>,
 }
 
@@ -119,6 +121,7 @@ pub struct RabbitMqPublisherBuilder {
     exchange: String,
     mandatory: bool,
     confirm_timeout: Duration,
+    confirm_timeout_set: bool,
     tls: Option<Tls>,
 }
 
@@ -147,6 +150,7 @@ impl RabbitMqPublisher {
             exchange: exchange.into(),
             mandatory: true,
             confirm_timeout: crate::defaults::CONFIRM_TIMEOUT,
+            confirm_timeout_set: false,
             tls: None,
         }
     }
@@ -168,9 +172,11 @@ impl RabbitMqPublisherBuilder {
     /// The longest a batch may take, connecting and opening a channel included; confirms
     /// missing then count as transient failures (or as an outage, when the broker has
     /// blocked the connection). The relay checks at `build()` that it fits in half its
-    /// lease. Defaults to 10 s.
+    /// lease. Defaults to 10 s, lowered by the relay to half its lease when that is
+    /// shorter.
     pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout;
+        self.confirm_timeout_set = true;
         self
     }
 
@@ -207,6 +213,7 @@ impl RabbitMqPublisherBuilder {
             exchange,
             mandatory: self.mandatory,
             confirm_timeout: self.confirm_timeout,
+            confirm_timeout_set: self.confirm_timeout_set,
             link: Arc::new(Mutex::new(Link::default())),
         };
         let lent = publisher
@@ -232,5 +239,11 @@ impl Publisher for RabbitMqPublisher {
 
     fn timeout(&self) -> Option<Duration> {
         Some(self.confirm_timeout)
+    }
+
+    fn fit_timeout(&mut self, max: Duration) {
+        if !self.confirm_timeout_set {
+            self.confirm_timeout = self.confirm_timeout.min(max);
+        }
     }
 }
