@@ -147,9 +147,13 @@ impl Outbox {
     /// - [`Error::InvalidMessage`] when a limit is broken; nothing is written.
     /// - [`Error::DuplicateKey`] when the key is already in the table. Nothing is written
     ///   and your transaction is still usable (no SQL error was raised inside it).
+    /// - [`Error::NotInTransaction`] when `conn` has no transaction open (opened by
+    ///   `conn.transaction(..)` or diesel-async's transaction builder): the event would
+    ///   commit on its own. Nothing is written.
     /// - [`Error::NotMigrated`] when the table does not exist (that one does abort an open
     ///   transaction, as every SQL error does).
     pub async fn enqueue(&self, conn: &mut AsyncPgConnection, msg: Message) -> Result<String> {
+        in_transaction(conn, "enqueue")?;
         self.enqueue_pipelined(conn, msg).await
     }
 
@@ -170,6 +174,7 @@ impl Outbox {
         conn: &mut AsyncPgConnection,
         msgs: Vec<Message>,
     ) -> Result<Vec<String>> {
+        in_transaction(conn, "enqueue_many")?;
         self.insert_messages(conn, msgs).await
     }
 
@@ -205,8 +210,12 @@ impl Outbox {
     /// `try_join!` drops the others, whose statements may already be on their way: let the
     /// error roll the transaction back rather than carry on in it.
     ///
+    /// Hazard: a shared reference cannot tell whether a transaction is open, so unlike
+    /// [`Outbox::enqueue`] this one does not refuse to run outside one; run it inside
+    /// `conn.transaction(..)`, as above.
+    ///
     /// # Errors
-    /// As [`Outbox::enqueue`].
+    /// As [`Outbox::enqueue`], but for [`Error::NotInTransaction`].
     pub async fn enqueue_pipelined(
         &self,
         conn: &AsyncPgConnection,
@@ -366,6 +375,25 @@ impl Outbox {
                 t = self.table()
             ),
         )
+    }
+}
+
+/// [`Error::NotInTransaction`] unless `conn` has a transaction open (or a savepoint in
+/// one), as diesel-async's transaction manager knows it.
+pub(crate) fn in_transaction(conn: &mut AsyncPgConnection, what: &'static str) -> Result<()> {
+    use diesel_async::AsyncConnection;
+    use diesel_async::TransactionManager;
+    let depth =
+        <AsyncPgConnection as AsyncConnection>::TransactionManager::transaction_manager_status_mut(
+            conn,
+        )
+        .transaction_depth();
+    match depth {
+        Ok(Some(_)) => Ok(()),
+        // A broken transaction manager (a transaction that failed to roll back) is the
+        // database's error to report, on the statement.
+        Err(_) => Ok(()),
+        Ok(None) => Err(Error::NotInTransaction(what)),
     }
 }
 

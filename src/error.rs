@@ -34,6 +34,15 @@ pub enum Error {
         keys: Vec<String>,
     },
 
+    /// An enqueue or a dedupe ran on a connection without an open transaction: the event
+    /// (or the dedupe record) would commit on its own, apart from the business change it
+    /// belongs with, which defeats the outbox. Nothing was written. Open a transaction
+    /// (`conn.transaction(..)`), even for a write of the event alone.
+    #[error(
+        "{0} needs an open transaction: run it inside conn.transaction(..), so that it commits or rolls back with your change"
+    )]
+    NotInTransaction(&'static str),
+
     /// The outbox table does not exist.
     #[error("outbox table {table} is missing: run `migrate` first")]
     NotMigrated {

@@ -57,7 +57,10 @@ impl Outbox {
     /// detected.
     ///
     /// # Errors
-    /// [`Error::InvalidMessage`] for an empty consumer or key, or one over 255 bytes.
+    /// [`Error::InvalidMessage`] for an empty consumer or key, or one over 255 bytes;
+    /// [`Error::NotInTransaction`] when `conn` has no transaction open (the record would
+    /// commit apart from the effect, and a failed effect would leave the message marked
+    /// as processed).
     pub async fn dedupe(
         &self,
         conn: &mut AsyncPgConnection,
@@ -65,6 +68,7 @@ impl Outbox {
         key: &str,
     ) -> Result<bool> {
         let query = self.dedupe_query(consumer, key)?;
+        crate::enqueue::in_transaction(conn, "dedupe")?;
         let row = query
             .get_result::<DedupeRow>(conn)
             .await

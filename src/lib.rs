@@ -45,7 +45,10 @@
 //!
 //! # Where things run
 //! Enqueue, dedupe and the operations run on the connection you pass, inside whatever
-//! transaction it has open; the crate never opens a connection for them. [`Outbox`] holds
+//! transaction it has open; the crate never opens a connection for them. Enqueue and
+//! dedupe refuse to run outside a transaction ([`Error::NotInTransaction`]): the event
+//! would commit on its own, apart from the change it belongs with, and a dedupe record
+//! apart from the effect. [`Outbox`] holds
 //! configuration only. All SQL text for a table is rendered once, when the `Outbox` is
 //! built; identifiers are validated and quoted, values are always bound parameters.
 //!
@@ -218,6 +221,7 @@ pub mod consumer;
 pub mod defaults;
 mod enqueue;
 mod error;
+mod health;
 mod inbox;
 mod message;
 mod metrics;
@@ -235,6 +239,7 @@ mod trace;
 pub use crate::connect::{connection_manager, establish, establish_without_statement_cache};
 pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
+pub use crate::health::Health;
 pub use crate::inbox::DedupeExt;
 pub use crate::message::Message;
 #[cfg(feature = "metrics")]

@@ -85,6 +85,7 @@ impl Outbox {
     /// # Errors
     /// As [`crate::Outbox::enqueue_many`].
     pub fn enqueue_many(&self, conn: &mut PgConnection, msgs: Vec<Message>) -> Result<Vec<String>> {
+        in_transaction(conn, "enqueue")?;
         let outbox = &self.0;
         let Some((query, keys)) = outbox.enqueue_query(msgs)? else {
             return Ok(Vec::new());
@@ -101,12 +102,23 @@ impl Outbox {
     /// As [`crate::Outbox::dedupe`].
     pub fn dedupe(&self, conn: &mut PgConnection, consumer: &str, key: &str) -> Result<bool> {
         let outbox = &self.0;
-        let row = outbox
-            .dedupe_query(consumer, key)?
+        let query = outbox.dedupe_query(consumer, key)?;
+        in_transaction(conn, "dedupe")?;
+        let row = query
             .get_result::<DedupeRow>(conn)
             .optional()
             .map_err(|e| outbox.dedupe_error(e))?;
         Ok(row.is_some())
+    }
+}
+
+/// [`Error::NotInTransaction`](crate::Error::NotInTransaction) unless `conn` has a
+/// transaction open, as diesel's transaction manager knows it.
+fn in_transaction(conn: &mut PgConnection, what: &'static str) -> Result<()> {
+    use diesel::connection::{AnsiTransactionManager, TransactionManager};
+    match AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth() {
+        Ok(None) => Err(crate::Error::NotInTransaction(what)),
+        _ => Ok(()),
     }
 }
 

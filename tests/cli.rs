@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::Alone;
+
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -103,7 +105,7 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
     let log = log_of(&mut relay);
     for i in 0..5 {
         outbox
-            .enqueue(
+            .enqueue_alone(
                 &mut conn,
                 Message::new("cli.test", "x").key(format!("k{i}")),
             )
@@ -159,7 +161,7 @@ async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
     let log = log_of(&mut relay);
     for i in 0..5 {
         outbox
-            .enqueue(
+            .enqueue_alone(
                 &mut conn,
                 Message::new("cli.test", "x").key(format!("k{i}")),
             )
@@ -212,7 +214,7 @@ async fn dead_lists_a_dead_letter_and_redrive_brings_it_back() {
     let mut conn = schema.connect().await;
     outbox.migrate(&mut conn).await.unwrap();
     outbox
-        .enqueue(
+        .enqueue_alone(
             &mut conn,
             Message::new("billing.charge", "x").key("charge-7"),
         )
@@ -403,12 +405,43 @@ async fn urls_and_credentials_come_from_files_and_are_never_printed() {
 /// password (lapin logs the login frame at trace, amq-protocol the URL).
 #[tokio::test]
 async fn the_relay_at_trace_logs_no_payload_and_no_password() {
-    // It adds a RabbitMQ user with the local broker's own tool.
-    if !common::services::local_tools_for(
+    relay_logs_no_secret(
         "the_relay_at_trace_logs_no_payload_and_no_password",
-        &[common::services::Service::RabbitMq],
-    ) {
-        return;
+        "trace",
+        "text",
+    )
+    .await;
+}
+
+/// `--log-format json` at `RUST_LOG=debug`: every line the relay writes is one JSON object
+/// with tracing's fields, and none holds a payload or a password.
+#[tokio::test]
+async fn the_relay_logs_json_lines_without_payload_or_password() {
+    let log = relay_logs_no_secret(
+        "the_relay_logs_json_lines_without_payload_or_password",
+        "debug",
+        "json",
+    )
+    .await;
+    let mut lines = 0;
+    for line in log.lines().filter(|l| !l.is_empty()) {
+        let object: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        assert!(
+            object["level"].is_string() && object["fields"].is_object(),
+            "{line}"
+        );
+        lines += 1;
+    }
+    assert!(lines > 10, "{lines} lines");
+}
+
+/// A relay process at `rust_log` with `--log-format format` dead-letters an unroutable
+/// message; what it logged holds no payload and no password. Returns the log.
+async fn relay_logs_no_secret(test: &str, rust_log: &str, format: &str) -> String {
+    // It adds a RabbitMQ user with the local broker's own tool.
+    if !common::services::local_tools_for(test, &[common::services::Service::RabbitMq]) {
+        return String::new();
     }
     let schema = TestSchema::new().await;
     let table = schema.table("outbox");
@@ -422,7 +455,7 @@ async fn the_relay_at_trace_logs_no_payload_and_no_password() {
     rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
     let marker = common::unique("payload-marker");
     outbox
-        .enqueue(
+        .enqueue_alone(
             &mut conn,
             Message::new("nowhere", marker.clone()).key("unroutable"),
         )
@@ -433,11 +466,12 @@ async fn the_relay_at_trace_logs_no_payload_and_no_password() {
     // Trust authentication ignores the password; it must not be printed all the same.
     let database = database_url().replacen("postgres@", &format!("postgres:{db_password}@"), 1);
     let mut relay = Command::new(BIN)
-        .args(["--table", &table, "relay", "--exchange", &broker.exchange])
+        .args(["--table", &table, "--log-format", format, "relay"])
+        .args(["--exchange", &broker.exchange])
         .args(["--max-attempts", "1", "--poll-interval", "100ms"])
         .env("DATABASE_URL", &database)
         .env("AMQP_URL", &amqp)
-        .env("RUST_LOG", "trace")
+        .env("RUST_LOG", rust_log)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -477,6 +511,7 @@ async fn the_relay_at_trace_logs_no_payload_and_no_password() {
         );
         assert!(!log.contains(&bytes), "{what} reached the log as bytes");
     }
+    log
 }
 
 /// `GET` `path` on `addr` over plain HTTP/1.0; the body.
@@ -498,6 +533,103 @@ fn metric_sum(text: &str, name: &str) -> f64 {
         .filter(|l| l.split(['{', ' ']).next() == Some(name))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// `GET` `path` on `addr`: the status code and the body.
+fn http_status(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    let code = head.split(' ').nth(1)?.parse().ok()?;
+    Some((code, body.to_owned()))
+}
+
+/// Waits until `path` answers `code` with a body holding `text`.
+async fn wait_probe(addr: std::net::SocketAddr, path: &str, code: u16, text: &str) {
+    let what = format!("{path} to answer {code} with {text:?}");
+    eventually(Duration::from_secs(30), &what, || async {
+        http_status(addr, path).filter(|(c, body)| *c == code && body.contains(text))
+    })
+    .await;
+}
+
+/// The relay process's probes on its one listener: `/livez` and `/readyz` answer 200 while
+/// it works; `/readyz` turns 503 with "broker unavailable" while the broker is out of reach
+/// (through a fault proxy) and with "database unreachable" while the database is, and 200
+/// again after each, while `/livez` stays 200. The metrics are served beside them.
+#[tokio::test]
+async fn the_relay_probes_follow_the_broker_and_the_database() {
+    use common::proxy::FaultProxy;
+    use std::net::ToSocketAddrs;
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let upstream = |authority: String| authority.to_socket_addrs().unwrap().next().unwrap();
+    let mq = FaultProxy::start(upstream(common::broker::amqp_authority())).await;
+    let database = database_url();
+    let rest = database.split_once("://").unwrap().1;
+    let authority = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    let authority = authority.split('/').next().unwrap().to_owned();
+    let pg = FaultProxy::start(upstream(authority.clone())).await;
+    let [port] = common::cluster::free_ports();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "relay", "--exchange", &broker.exchange])
+        .args([
+            "--poll-interval",
+            "100ms",
+            "--backoff-min",
+            "50ms",
+            "--backoff-max",
+            "200ms",
+        ])
+        .args(["--metrics-addr", &addr.to_string()])
+        .env(
+            "DATABASE_URL",
+            database.replacen(&authority, &pg.addr.to_string(), 1),
+        )
+        .env("AMQP_URL", common::broker::amqp_url_via(mq.addr))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_probe(addr, "/readyz", 200, "\"ready\":true").await;
+    wait_probe(addr, "/livez", 200, "\"live\":true").await;
+
+    mq.set_down(true);
+    outbox
+        .enqueue_alone(&mut conn, Message::new("probe.test", "x").key("held"))
+        .await
+        .unwrap();
+    wait_probe(addr, "/readyz", 503, "broker unavailable").await;
+    assert_eq!(http_status(addr, "/livez").unwrap().0, 200, "still live");
+    mq.set_down(false);
+    wait_probe(addr, "/readyz", 200, "\"ready\":true").await;
+    let delivery = next(&mut consumer, Duration::from_secs(30))
+        .await
+        .expect("published once the broker is back");
+    assert_eq!(message_id(&delivery), "held");
+
+    pg.set_down(true);
+    wait_probe(addr, "/readyz", 503, "database unreachable").await;
+    pg.set_down(false);
+    wait_probe(addr, "/readyz", 200, "\"ready\":true").await;
+    let metrics = http_status(addr, "/metrics").unwrap();
+    assert!(
+        metrics.1.contains("outbox_published_total"),
+        "{}",
+        metrics.1
+    );
+    let status = terminate(&mut relay).await;
+    assert!(status.success(), "{status:?}");
 }
 
 #[tokio::test]
@@ -529,7 +661,7 @@ async fn the_relay_serves_its_metrics_to_prometheus() {
         .unwrap();
     for i in 0..7 {
         outbox
-            .enqueue(
+            .enqueue_alone(
                 &mut conn,
                 Message::new("cli.metrics", "x").key(format!("m{i}")),
             )

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::Alone;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -377,7 +379,7 @@ async fn poison_goes_to_the_dead_letter_queue_after_max_deliveries_and_a_reject_
     let mut conn = s.pool.get().await.unwrap();
     assert!(
         s.outbox
-            .dedupe(&mut conn, "invoicing", "poison")
+            .dedupe_alone(&mut conn, "invoicing", "poison")
             .await
             .unwrap()
     );

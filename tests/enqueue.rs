@@ -2,6 +2,8 @@
 
 mod common;
 
+use common::Alone;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -76,14 +78,17 @@ async fn missing_key_becomes_lowercase_uuid_v4_and_given_key_is_kept() {
     let schema = TestSchema::new().await;
     let (mut conn, _) = migrated(&schema).await;
 
-    let generated = conn.enqueue(Message::new("t", "a")).await.unwrap();
+    let generated = conn
+        .transaction(async |c| c.enqueue(Message::new("t", "a")).await)
+        .await
+        .unwrap();
     let parsed = uuid::Uuid::parse_str(&generated).unwrap();
     assert_eq!(parsed.get_version_num(), 4);
     assert_eq!(generated, generated.to_lowercase());
     assert_eq!(generated.len(), 36, "hyphenated form: {generated}");
 
     let given = conn
-        .enqueue(Message::new("t", "b").key("Order-42"))
+        .transaction(async |c| c.enqueue(Message::new("t", "b").key("Order-42")).await)
         .await
         .unwrap();
     assert_eq!(given, "Order-42");
@@ -106,10 +111,13 @@ async fn every_field_is_stored() {
         .aggregate_key("order-7")
         .header("tenant", "acme")
         .header("trace", "abc");
-    conn.enqueue(msg).await.unwrap();
-    conn.enqueue(Message::new("raw", vec![0u8, 159, 255]).content_type("application/x-bin"))
-        .await
-        .unwrap();
+    conn.transaction(async |c| {
+        c.enqueue(msg).await?;
+        c.enqueue(Message::new("raw", vec![0u8, 159, 255]).content_type("application/x-bin"))
+            .await
+    })
+    .await
+    .unwrap();
 
     let rows = rows(&mut conn, "outbox").await;
     assert_eq!(rows.len(), 2);
@@ -232,19 +240,24 @@ async fn a_pipelined_enqueue_commits_and_rolls_back_with_the_business_statement(
 async fn enqueue_many_is_one_round_trip_and_reports_duplicates() {
     let schema = TestSchema::new().await;
     let (mut conn, outbox) = migrated(&schema).await;
-    let queries = count_queries(&mut conn);
-
     let msgs: Vec<Message> = (0..50)
         .map(|i| Message::new("bulk", format!("{i}")).key(format!("k{i}")))
         .collect();
-    let keys = conn.enqueue_many(msgs).await.unwrap();
-    assert_eq!(queries.get(), 1, "one statement for 50 messages");
+    let (keys, statements) = conn
+        .transaction(async |c| {
+            let queries = count_queries(c);
+            let keys = c.enqueue_many(msgs).await?;
+            Ok::<_, Error>((keys, queries.get()))
+        })
+        .await
+        .unwrap();
+    assert_eq!(statements, 1, "one statement for 50 messages");
     assert_eq!(keys, (0..50).map(|i| format!("k{i}")).collect::<Vec<_>>());
     assert_eq!(rows(&mut conn, "outbox").await.len(), 50);
 
     // Two duplicates among new keys: all are reported and nothing is written.
     let err = outbox
-        .enqueue_many(
+        .enqueue_many_alone(
             &mut conn,
             vec![
                 Message::new("bulk", "n").key("new-1"),
@@ -263,18 +276,22 @@ async fn enqueue_many_is_one_round_trip_and_reports_duplicates() {
     assert!(after.iter().all(|r| r.idempotency_key != "new-1"));
 
     // A key repeated inside one call is bad input, rejected before SQL.
-    let before = queries.get();
-    let err = conn
-        .enqueue_many(vec![
-            Message::new("t", "a").key("twice"),
-            Message::new("t", "b").key("twice"),
-        ])
-        .await
-        .unwrap_err();
-    assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
-    assert_eq!(queries.get(), before);
-
-    assert!(conn.enqueue_many(Vec::new()).await.unwrap().is_empty());
+    conn.transaction(async |c| {
+        let queries = count_queries(c);
+        let err = c
+            .enqueue_many(vec![
+                Message::new("t", "a").key("twice"),
+                Message::new("t", "b").key("twice"),
+            ])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+        assert!(c.enqueue_many(Vec::new()).await?.is_empty());
+        assert_eq!(queries.get(), 0);
+        Ok::<_, Error>(())
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -287,7 +304,6 @@ async fn bad_messages_are_rejected_before_any_sql() {
         .build()
         .unwrap();
     outbox.migrate(&mut conn).await.unwrap();
-    let queries = count_queries(&mut conn);
 
     let mut many_headers = Message::new("t", "x");
     for i in 0..65 {
@@ -324,21 +340,27 @@ async fn bad_messages_are_rejected_before_any_sql() {
             Message::new("t", "x").header("h", "x".repeat(300_000)),
         ),
     ];
-    for (what, msg) in cases {
-        let err = outbox.enqueue(&mut conn, msg).await.unwrap_err();
-        assert!(matches!(err, Error::InvalidMessage(_)), "{what}: {err:?}");
-        assert!(err.is_invalid_input());
-    }
-    for (consumer, key) in [("", "k"), ("c", ""), ("c", &"k".repeat(300))] {
-        let err = outbox.dedupe(&mut conn, consumer, key).await.unwrap_err();
-        assert!(matches!(err, Error::InvalidMessage(_)), "{err:?}");
-    }
-    assert_eq!(queries.get(), 0, "no SQL ran for bad input");
+    conn.transaction(async |c| {
+        let queries = count_queries(c);
+        for (what, msg) in cases {
+            let err = outbox.enqueue(c, msg).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidMessage(_)), "{what}: {err:?}");
+            assert!(err.is_invalid_input());
+        }
+        for (consumer, key) in [("", "k"), ("c", ""), ("c", &"k".repeat(300))] {
+            let err = outbox.dedupe(c, consumer, key).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidMessage(_)), "{err:?}");
+        }
+        assert_eq!(queries.get(), 0, "no SQL ran for bad input");
+        Ok::<_, Error>(())
+    })
+    .await
+    .unwrap();
     assert!(rows(&mut conn, &schema.table("small")).await.is_empty());
 
     // The limits are inclusive.
     outbox
-        .enqueue(&mut conn, Message::new("t", "12345678"))
+        .enqueue_alone(&mut conn, Message::new("t", "12345678"))
         .await
         .unwrap();
     let tight = Outbox::builder()
@@ -347,12 +369,12 @@ async fn bad_messages_are_rejected_before_any_sql() {
         .build()
         .unwrap();
     let err = tight
-        .enqueue(&mut conn, Message::new("t", "x").header("abcde", "123456"))
+        .enqueue_alone(&mut conn, Message::new("t", "x").header("abcde", "123456"))
         .await
         .unwrap_err();
     assert!(err.to_string().contains("max_headers_bytes"), "{err}");
     tight
-        .enqueue(&mut conn, Message::new("t", "x").header("abcde", "12345"))
+        .enqueue_alone(&mut conn, Message::new("t", "x").header("abcde", "12345"))
         .await
         .unwrap();
     for bad in [0, 2 << 20] {
@@ -374,7 +396,7 @@ async fn payloads_do_not_appear_in_errors() {
         .build()
         .unwrap();
     let err = outbox
-        .enqueue(&mut conn, Message::new("t", "top-secret-payload"))
+        .enqueue_alone(&mut conn, Message::new("t", "top-secret-payload"))
         .await
         .unwrap_err();
     let shown = format!("{err} {err:?}");
@@ -385,7 +407,10 @@ async fn payloads_do_not_appear_in_errors() {
 async fn missing_table_says_to_migrate() {
     let schema = TestSchema::new().await;
     let mut conn = schema.connect().await;
-    let err = conn.enqueue(Message::new("t", "x")).await.unwrap_err();
+    let err = conn
+        .transaction(async |c| c.enqueue(Message::new("t", "x")).await)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
     assert!(err.to_string().contains("run `migrate` first"), "{err}");
 }
@@ -395,9 +420,25 @@ async fn dedupe_is_first_time_only_rolls_back_and_is_per_consumer() {
     let schema = TestSchema::new().await;
     let (mut conn, _) = migrated(&schema).await;
 
-    assert!(conn.dedupe("invoicing", "k1").await.unwrap());
-    assert!(!conn.dedupe("invoicing", "k1").await.unwrap());
-    assert!(conn.dedupe("shipping", "k1").await.unwrap(), "per consumer");
+    assert!(
+        Outbox::new()
+            .dedupe_alone(&mut conn, "invoicing", "k1")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !Outbox::new()
+            .dedupe_alone(&mut conn, "invoicing", "k1")
+            .await
+            .unwrap()
+    );
+    assert!(
+        Outbox::new()
+            .dedupe_alone(&mut conn, "shipping", "k1")
+            .await
+            .unwrap(),
+        "per consumer"
+    );
 
     let rolled_back = conn
         .transaction(async |c| {
@@ -407,10 +448,18 @@ async fn dedupe_is_first_time_only_rolls_back_and_is_per_consumer() {
         .await;
     assert!(rolled_back.is_err());
     assert!(
-        conn.dedupe("invoicing", "k2").await.unwrap(),
+        Outbox::new()
+            .dedupe_alone(&mut conn, "invoicing", "k2")
+            .await
+            .unwrap(),
         "a rolled-back record is gone"
     );
-    assert!(!conn.dedupe("invoicing", "k2").await.unwrap());
+    assert!(
+        !Outbox::new()
+            .dedupe_alone(&mut conn, "invoicing", "k2")
+            .await
+            .unwrap()
+    );
 }
 
 #[tokio::test]
@@ -430,29 +479,41 @@ async fn dedupe_works_on_pooled_connections() {
     let pool = Pool::builder().max_size(2).build(manager).await.unwrap();
     let mut pooled = pool.get().await.unwrap();
     let key = outbox
-        .enqueue(&mut pooled, Message::new("t", "x"))
+        .enqueue_alone(&mut pooled, Message::new("t", "x"))
         .await
         .unwrap();
-    assert!(outbox.dedupe(&mut pooled, "c", &key).await.unwrap());
-    assert!(!outbox.dedupe(&mut pooled, "c", &key).await.unwrap());
+    assert!(outbox.dedupe_alone(&mut pooled, "c", &key).await.unwrap());
+    assert!(!outbox.dedupe_alone(&mut pooled, "c", &key).await.unwrap());
     // The extension traits reach through the pool's smart pointer too.
     pooled
         .batch_execute(&format!("SET search_path TO \"{}\"", schema.name))
         .await
         .unwrap();
     Outbox::new().migrate(&mut pooled).await.unwrap();
-    let key = pooled.enqueue(Message::new("t", "x")).await.unwrap();
-    assert!(pooled.dedupe("c", &key).await.unwrap());
+    pooled
+        .transaction(async |c| {
+            let key = c.enqueue(Message::new("t", "x")).await?;
+            assert!(c.dedupe("c", &key).await?);
+            Ok::<_, Error>(())
+        })
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
 async fn delayed_message_is_not_due_before_its_delay() {
     let schema = TestSchema::new().await;
     let (mut conn, outbox) = migrated(&schema).await;
-    conn.enqueue(Message::new("t", "later").delay(Duration::from_secs(3600)))
+    outbox
+        .enqueue_many_alone(
+            &mut conn,
+            vec![
+                Message::new("t", "later").delay(Duration::from_secs(3600)),
+                Message::new("t", "now"),
+            ],
+        )
         .await
         .unwrap();
-    conn.enqueue(Message::new("t", "now")).await.unwrap();
     let due: Vec<bool> = rows(&mut conn, "outbox")
         .await
         .into_iter()
@@ -519,7 +580,7 @@ async fn notify_goes_to_idle_relays_on_commit_only_and_can_be_turned_off() {
         .unwrap();
 
     // No relay is idle: a busy (or absent) relay needs no wake-up, so no NOTIFY.
-    loud.enqueue(&mut writer, Message::new("t", "0"))
+    loud.enqueue_alone(&mut writer, Message::new("t", "0"))
         .await
         .unwrap();
     marker(&mut writer, &channel, "after-busy").await;
@@ -536,21 +597,21 @@ async fn notify_goes_to_idle_relays_on_commit_only_and_can_be_turned_off() {
         ))
         .await
         .unwrap();
-    writer.batch_execute("BEGIN").await.unwrap();
-    loud.enqueue(&mut writer, Message::new("t", "a"))
-        .await
-        .unwrap();
-    loud.enqueue(&mut writer, Message::new("t", "b"))
-        .await
-        .unwrap();
     let mut other = common::connect().await;
-    marker(&mut other, &channel, "before-commit").await;
-    assert_eq!(
-        next_payload(&mut listener).await,
-        "before-commit",
-        "nothing is delivered before the commit"
-    );
-    writer.batch_execute("COMMIT").await.unwrap();
+    writer
+        .transaction(async |c| {
+            loud.enqueue(c, Message::new("t", "a")).await?;
+            loud.enqueue(c, Message::new("t", "b")).await?;
+            marker(&mut other, &channel, "before-commit").await;
+            assert_eq!(
+                next_payload(&mut listener).await,
+                "before-commit",
+                "nothing is delivered before the commit"
+            );
+            Ok::<_, Error>(())
+        })
+        .await
+        .unwrap();
     assert_eq!(next_payload(&mut listener).await, "", "woken on commit");
     marker(&mut other, &channel, "after-commit").await;
     assert_eq!(
@@ -561,11 +622,59 @@ async fn notify_goes_to_idle_relays_on_commit_only_and_can_be_turned_off() {
 
     // Without notify: nothing, even for an idle relay.
     quiet
-        .enqueue(&mut writer, Message::new("t", "c"))
+        .enqueue_alone(&mut writer, Message::new("t", "c"))
         .await
         .unwrap();
     marker(&mut other, &channel, "after-quiet").await;
     assert_eq!(next_payload(&mut listener).await, "after-quiet");
+}
+
+/// An enqueue outside a transaction would commit the event on its own, apart from the
+/// change it belongs with: refused, naming the way out, and nothing is written. Dedupe
+/// too: its record must roll back with the effect. The same on a pooled connection.
+#[tokio::test]
+async fn enqueue_and_dedupe_outside_a_transaction_are_refused_and_write_nothing() {
+    let schema = TestSchema::new().await;
+    let (mut conn, outbox) = migrated(&schema).await;
+    let err = conn
+        .enqueue(Message::new("t", "x").key("alone"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NotInTransaction("enqueue")), "{err:?}");
+    assert!(err.to_string().contains("conn.transaction"), "{err}");
+    let err = outbox
+        .enqueue_many(&mut conn, vec![Message::new("t", "x").key("alone-too")])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::NotInTransaction("enqueue_many")),
+        "{err:?}"
+    );
+    let err = conn.dedupe("invoicing", "alone").await.unwrap_err();
+    assert!(matches!(err, Error::NotInTransaction("dedupe")), "{err:?}");
+    let pool = common::pool(1).await;
+    let mut pooled = pool.get().await.unwrap();
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut *pooled,
+        &format!("SET search_path TO \"{}\"", schema.name),
+    )
+    .await
+    .unwrap();
+    let err = pooled.enqueue(Message::new("t", "x")).await.unwrap_err();
+    assert!(matches!(err, Error::NotInTransaction(_)), "{err:?}");
+    assert!(
+        rows(&mut conn, "outbox").await.is_empty(),
+        "nothing written"
+    );
+    // Inside a transaction, and inside a savepoint in one, both run.
+    conn.transaction(async |c| {
+        c.enqueue(Message::new("t", "x").key("in")).await?;
+        c.transaction(async |s| s.dedupe("invoicing", "in").await)
+            .await
+    })
+    .await
+    .unwrap();
+    assert_eq!(rows(&mut conn, "outbox").await.len(), 1);
 }
 
 #[cfg(feature = "sync")]
@@ -619,6 +728,27 @@ mod sync_flavour {
     }
 
     #[test]
+    fn sync_enqueue_and_dedupe_outside_a_transaction_are_refused() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let schema = rt.block_on(TestSchema::new());
+        rt.block_on(async {
+            super::migrated(&schema).await;
+        });
+        let mut conn = PgConnection::establish(&common::database_url()).unwrap();
+        diesel::connection::SimpleConnection::batch_execute(
+            &mut conn,
+            &format!("SET search_path TO \"{}\"", schema.name),
+        )
+        .unwrap();
+        let err = conn.enqueue(Message::new("t", "x")).unwrap_err();
+        assert!(matches!(err, Error::NotInTransaction(_)), "{err:?}");
+        let err = conn.dedupe("c", "k").unwrap_err();
+        assert!(matches!(err, Error::NotInTransaction("dedupe")), "{err:?}");
+        let stored = rt.block_on(async { rows(&mut schema.connect().await, "outbox").await });
+        assert!(stored.is_empty(), "nothing written");
+    }
+
+    #[test]
     fn the_sync_outbox_writes_a_configured_table_inside_the_transaction() {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let schema = rt.block_on(TestSchema::new());
@@ -664,11 +794,10 @@ mod sync_flavour {
                 .into_iter()
                 .map(|r| r.idempotency_key)
                 .collect();
-            let first_time = outbox
-                .as_ref()
-                .dedupe(&mut conn, "sync-consumer", &keys[0])
-                .await
-                .unwrap();
+            let first_time =
+                common::Alone::dedupe_alone(outbox.as_ref(), &mut conn, "sync-consumer", &keys[0])
+                    .await
+                    .unwrap();
             (stored, !first_time)
         });
         assert_eq!(stored, keys);
@@ -682,43 +811,47 @@ async fn a_key_committed_by_a_racing_transaction_is_reported_as_duplicate() {
     let (mut first, outbox) = migrated(&schema).await;
     let mut second = schema.connect().await;
 
-    first.batch_execute("BEGIN").await.unwrap();
-    outbox
-        .enqueue(&mut first, Message::new("t", "first").key("race"))
+    // The first transaction stays open while the second insert waits for its row lock
+    // on the key, then commits.
+    let racer = first
+        .transaction(async |c| {
+            outbox
+                .enqueue(c, Message::new("t", "first").key("race"))
+                .await?;
+            let racer = tokio::spawn(async move {
+                let result = Outbox::new()
+                    .enqueue_alone(&mut second, Message::new("t", "second").key("race"))
+                    .await;
+                (result, second)
+            });
+            let mut watcher = common::connect().await;
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                #[derive(QueryableByName)]
+                struct Waiting {
+                    #[diesel(sql_type = BigInt)]
+                    n: i64,
+                }
+                let w: Waiting = diesel::sql_query(
+                    "SELECT count(*) AS n FROM pg_stat_activity \
+                     WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%'",
+                )
+                .get_result(&mut watcher)
+                .await
+                .unwrap();
+                if w.n > 0 {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the racer never waited on the key"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Ok::<_, diesel_outbox::Error>(racer)
+        })
         .await
         .unwrap();
-    // The second insert waits for the first transaction's row lock on the key.
-    let racer = tokio::spawn(async move {
-        let result = Outbox::new()
-            .enqueue(&mut second, Message::new("t", "second").key("race"))
-            .await;
-        (result, second)
-    });
-    let mut watcher = common::connect().await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        #[derive(QueryableByName)]
-        struct Waiting {
-            #[diesel(sql_type = BigInt)]
-            n: i64,
-        }
-        let w: Waiting = diesel::sql_query(
-            "SELECT count(*) AS n FROM pg_stat_activity \
-             WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%'",
-        )
-        .get_result(&mut watcher)
-        .await
-        .unwrap();
-        if w.n > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the racer never waited on the key"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    first.batch_execute("COMMIT").await.unwrap();
     let (result, _second) = racer.await.unwrap();
     let err = result.unwrap_err();
     assert!(err.is_duplicate_key(), "{err:?}");
@@ -799,7 +932,7 @@ async fn a_least_privilege_writer_enqueues_and_a_missing_grant_is_named() {
         .await
         .unwrap();
     let err = outbox
-        .enqueue(&mut writer, Message::new("t", "x"))
+        .enqueue_alone(&mut writer, Message::new("t", "x"))
         .await
         .unwrap_err();
     let shown = err.to_string();
@@ -812,7 +945,7 @@ async fn a_least_privilege_writer_enqueues_and_a_missing_grant_is_named() {
         .await
         .unwrap();
     let err = outbox
-        .dedupe(&mut writer, "billing", "k2")
+        .dedupe_alone(&mut writer, "billing", "k2")
         .await
         .unwrap_err();
     assert!(err.to_string().contains("INSERT on"), "{err}");

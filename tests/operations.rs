@@ -2,6 +2,8 @@
 
 mod common;
 
+use common::Alone;
+
 use std::time::Duration;
 
 use common::TestSchema;
@@ -23,7 +25,7 @@ async fn enqueue_keys(conn: &mut AsyncPgConnection, outbox: &Outbox, keys: &[&st
         .iter()
         .map(|k| Message::new("topic.a", "p").key(*k))
         .collect();
-    outbox.enqueue_many(conn, msgs).await.unwrap();
+    outbox.enqueue_many_alone(conn, msgs).await.unwrap();
 }
 
 /// Moves rows into a state the relay would leave them in.
@@ -262,7 +264,7 @@ async fn purge_sent_removes_only_old_sent_rows() {
 
     // A purged key can be enqueued again.
     outbox
-        .enqueue(&mut conn, Message::new("t", "again").key("old7"))
+        .enqueue_alone(&mut conn, Message::new("t", "again").key("old7"))
         .await
         .unwrap();
 
@@ -282,7 +284,12 @@ async fn purge_sent_removes_only_old_sent_rows() {
 async fn purge_inbox_removes_only_old_records() {
     let (_schema, mut conn, outbox) = setup("purge_inbox").await;
     for key in ["a", "b", "c"] {
-        assert!(outbox.dedupe(&mut conn, "billing", key).await.unwrap());
+        assert!(
+            outbox
+                .dedupe_alone(&mut conn, "billing", key)
+                .await
+                .unwrap()
+        );
     }
     conn.batch_execute(&format!(
         "UPDATE {}_inbox SET processed_at = now() - interval '8 days' WHERE idempotency_key <> 'c'",
@@ -303,11 +310,17 @@ async fn purge_inbox_removes_only_old_records() {
         .unwrap();
     assert_eq!(purged, 2);
     assert!(
-        outbox.dedupe(&mut conn, "billing", "a").await.unwrap(),
+        outbox
+            .dedupe_alone(&mut conn, "billing", "a")
+            .await
+            .unwrap(),
         "forgotten"
     );
     assert!(
-        !outbox.dedupe(&mut conn, "billing", "c").await.unwrap(),
+        !outbox
+            .dedupe_alone(&mut conn, "billing", "c")
+            .await
+            .unwrap(),
         "kept"
     );
 }

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::Alone;
+
 use std::net::ToSocketAddrs;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -51,7 +53,7 @@ async fn every_property_and_header_arrives_as_specified() {
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
     f.outbox
-        .enqueue(
+        .enqueue_alone(
             &mut f.conn,
             Message::new("order.created", "the body")
                 .key("order-1-created")
@@ -115,11 +117,11 @@ async fn unroutable_with_mandatory_is_retried_then_dead_never_sent() {
     let mut f = fixture().await;
     let broker = TestBroker::new("bound.only").await;
     f.outbox
-        .enqueue(&mut f.conn, Message::new("nowhere", "x").key("lost"))
+        .enqueue_alone(&mut f.conn, Message::new("nowhere", "x").key("lost"))
         .await
         .unwrap();
     f.outbox
-        .enqueue(&mut f.conn, Message::new("bound.only", "y").key("routed"))
+        .enqueue_alone(&mut f.conn, Message::new("bound.only", "y").key("routed"))
         .await
         .unwrap();
     let relay = f
@@ -167,7 +169,10 @@ async fn a_nack_is_not_marked_sent() {
     let msgs = (0..3)
         .map(|i| Message::new("t", "x").key(format!("k{i}")))
         .collect();
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many_alone(&mut f.conn, msgs)
+        .await
+        .unwrap();
     let relay = f
         .outbox
         .relay(f.pool.clone(), publisher(&broker.exchange).await)
@@ -202,7 +207,7 @@ async fn the_relay_recovers_after_the_broker_connection_is_cut() {
         for i in 0..20 {
             let key = format!("r{round}-{i:02}");
             f.outbox
-                .enqueue(&mut f.conn, Message::new("t", "x").key(key.clone()))
+                .enqueue_alone(&mut f.conn, Message::new("t", "x").key(key.clone()))
                 .await
                 .unwrap();
             expected.push(key);
@@ -249,7 +254,7 @@ async fn end_to_end_committed_arrives_and_rolled_back_never() {
         .await;
     assert!(rolled_back.is_err());
     f.outbox
-        .enqueue(&mut f.conn, Message::new("t", "3").key("marker"))
+        .enqueue_alone(&mut f.conn, Message::new("t", "3").key("marker"))
         .await
         .unwrap();
 
@@ -287,7 +292,7 @@ async fn a_crash_between_publish_and_mark_delivers_twice_and_dedupe_applies_once
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
     f.outbox
-        .enqueue(
+        .enqueue_alone(
             &mut f.conn,
             Message::new("invoice.due", "42").key("invoice-42"),
         )
@@ -423,7 +428,7 @@ async fn a_missing_exchange_spends_no_attempt_and_the_channel_recovers() {
         .await
         .unwrap();
     f.outbox
-        .enqueue(&mut f.conn, Message::new("t", "x").key("k"))
+        .enqueue_alone(&mut f.conn, Message::new("t", "x").key("k"))
         .await
         .unwrap();
     let relay = f.outbox.relay(f.pool.clone(), missing).build().unwrap();
@@ -498,17 +503,17 @@ async fn a_record_rabbitmq_cannot_take_dies_alone_and_its_batch_goes_out() {
         ("cc-header", "'{\"CC\": \"elsewhere\"}'", "CC and BCC"),
     ];
     f.outbox
-        .enqueue(&mut f.conn, Message::new("t", "a").key("a"))
+        .enqueue_alone(&mut f.conn, Message::new("t", "a").key("a"))
         .await
         .unwrap();
     for (key, _, _) in &spoilt {
         f.outbox
-            .enqueue(&mut f.conn, Message::new("t", "x").key(*key))
+            .enqueue_alone(&mut f.conn, Message::new("t", "x").key(*key))
             .await
             .unwrap();
     }
     f.outbox
-        .enqueue(&mut f.conn, Message::new("t", "c").key("c"))
+        .enqueue_alone(&mut f.conn, Message::new("t", "c").key("c"))
         .await
         .unwrap();
     let t = f.outbox.table().to_owned();
@@ -555,7 +560,7 @@ async fn a_record_rabbitmq_cannot_take_dies_alone_and_its_batch_goes_out() {
 
     // The connection survived: the next batch goes out on it.
     f.outbox
-        .enqueue(&mut f.conn, Message::new("t", "d").key("d"))
+        .enqueue_alone(&mut f.conn, Message::new("t", "d").key("d"))
         .await
         .unwrap();
     assert_eq!(relay.run_once().await.unwrap(), 1);
@@ -581,7 +586,7 @@ async fn a_broker_outage_spends_no_attempts_and_the_backlog_drains_when_it_is_ba
     for i in 0..30 {
         let key = format!("k{i:02}");
         f.outbox
-            .enqueue(&mut f.conn, Message::new("t", "x").key(key.clone()))
+            .enqueue_alone(&mut f.conn, Message::new("t", "x").key(key.clone()))
             .await
             .unwrap();
         expected.push(key);

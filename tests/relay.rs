@@ -2,6 +2,8 @@
 
 mod common;
 
+use common::Alone;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -268,7 +270,10 @@ async fn four_relays_publish_every_key_exactly_once() {
     let msgs: Vec<Message> = (0..400)
         .map(|i| Message::new("t", format!("{i}")).key(format!("k{i:03}")))
         .collect();
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many_alone(&mut f.conn, msgs)
+        .await
+        .unwrap();
 
     let recorder = Recorder::default();
     let mut relays = Vec::new();
@@ -412,7 +417,10 @@ async fn shutdown_mid_batch_drains_releases_and_loses_nothing() {
             Message::new("t", body).key(format!("k{i:02}"))
         })
         .collect();
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many_alone(&mut f.conn, msgs)
+        .await
+        .unwrap();
 
     // Slow publishes; the first record never finishes (cut off by the drain timeout).
     let completed = Recorder::default();
@@ -512,7 +520,10 @@ async fn shutdown_leaves_no_claimed_row_leased() {
         let msgs: Vec<Message> = (0..30)
             .map(|i| Message::new("t", "x").key(format!("r{run}-{i:02}")))
             .collect();
-        f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+        f.outbox
+            .enqueue_many_alone(&mut f.conn, msgs)
+            .await
+            .unwrap();
         let started = Arc::new(Notify::new());
         let publisher = {
             let started = started.clone();
@@ -611,7 +622,10 @@ async fn one_aggregate_backlog_drains_without_waiting_for_polls() {
                 .aggregate_key("only")
         })
         .collect();
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many_alone(&mut f.conn, msgs)
+        .await
+        .unwrap();
     let recorder = Recorder::default();
     let relay = f
         .outbox
@@ -739,7 +753,7 @@ async fn without_notify_polling_finds_the_message() {
         .unwrap();
     let (stop, task) = spawn_relay(relay.clone());
     quiet
-        .enqueue(&mut f.conn, Message::new("t", "x").key("polled"))
+        .enqueue_alone(&mut f.conn, Message::new("t", "x").key("polled"))
         .await
         .unwrap();
     eventually(DEADLINE, "the poll", || async {
@@ -809,7 +823,7 @@ async fn retention_purges_only_old_sent_rows_and_inbox_records() {
         .await
         .unwrap();
     for k in ["old", "new"] {
-        assert!(f.outbox.dedupe(&mut f.conn, "c", k).await.unwrap());
+        assert!(f.outbox.dedupe_alone(&mut f.conn, "c", k).await.unwrap());
     }
     f.conn
         .batch_execute(&format!(
@@ -850,7 +864,10 @@ async fn retention_purges_only_old_sent_rows_and_inbox_records() {
     assert_eq!(f.count("idempotency_key = 'old-sent'").await, 0);
     assert_eq!(f.count("idempotency_key <> 'old-sent'").await, 3);
     assert!(
-        !f.outbox.dedupe(&mut f.conn, "c", "new").await.unwrap(),
+        !f.outbox
+            .dedupe_alone(&mut f.conn, "c", "new")
+            .await
+            .unwrap(),
         "kept"
     );
 }
@@ -945,7 +962,7 @@ fn interleaved(aggregates: usize, per: usize) -> Vec<Message> {
 async fn concurrent_relays_with_failures_keep_every_aggregate_in_order() {
     let mut f = fixture().await;
     f.outbox
-        .enqueue_many(&mut f.conn, interleaved(10, 20))
+        .enqueue_many_alone(&mut f.conn, interleaved(10, 20))
         .await
         .unwrap();
 
@@ -1226,7 +1243,7 @@ async fn a_claim_never_takes_rows_another_relay_is_leasing() {
 async fn no_two_publishes_of_one_aggregate_ever_overlap_even_across_redrives() {
     let mut f = fixture().await;
     f.outbox
-        .enqueue_many(&mut f.conn, interleaved(8, 25))
+        .enqueue_many_alone(&mut f.conn, interleaved(8, 25))
         .await
         .unwrap();
 
@@ -1354,7 +1371,10 @@ async fn a_claim_keeps_to_its_byte_budget_and_always_takes_one_row() {
     let msgs = (0..6)
         .map(|i| Message::new("t", vec![b'x'; 100_000]).key(format!("k{i}")))
         .collect();
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many_alone(&mut f.conn, msgs)
+        .await
+        .unwrap();
     f.enqueue(Message::new("t", vec![b'y'; 400_000]).key("huge"))
         .await;
     let recorder = Recorder::default();
@@ -1767,7 +1787,10 @@ async fn two_clones_running_at_once_are_two_relays() {
     let msgs = (0..100)
         .map(|i| Message::new("t", "x").key(format!("k{i:03}")))
         .collect();
-    f.outbox.enqueue_many(&mut f.conn, msgs).await.unwrap();
+    f.outbox
+        .enqueue_many_alone(&mut f.conn, msgs)
+        .await
+        .unwrap();
     f.wait_rows("status = 'sent'", 100).await;
     for (stop, task) in [first, second] {
         stop_relay(stop, task).await;
@@ -1824,30 +1847,39 @@ async fn a_writer_open_while_the_relay_turns_idle_is_picked_up_at_once(repeatabl
     } else {
         "READ COMMITTED"
     };
-    writer
-        .batch_execute(&format!("BEGIN ISOLATION LEVEL {isolation}; SELECT 1"))
+    let mut transaction = writer.build_transaction();
+    transaction = if repeatable_read {
+        transaction.repeatable_read()
+    } else {
+        transaction.read_committed()
+    };
+    let outbox = f.outbox.clone();
+    transaction
+        .run(async |c| {
+            // The transaction (and under REPEATABLE READ its snapshot) begins while the
+            // relay is busy.
+            c.batch_execute("SELECT 1").await?;
+            if !repeatable_read {
+                // The enqueue runs while the relay is busy.
+                outbox
+                    .enqueue(c, Message::new("t", "x").key("late"))
+                    .await?;
+            }
+            // The relay finishes, lingers, and turns idle.
+            hold.notify_one();
+            f.wait_rows("idempotency_key = 'keeps-it-busy' AND status = 'sent'", 1)
+                .await;
+            f.wait_idle_relays(1).await;
+            if repeatable_read {
+                // The snapshot was taken while the relay was busy.
+                outbox
+                    .enqueue(c, Message::new("t", "x").key("late"))
+                    .await?;
+            }
+            Ok::<_, Error>(())
+        })
         .await
         .unwrap();
-    if !repeatable_read {
-        // The enqueue runs while the relay is busy.
-        f.outbox
-            .enqueue(&mut writer, Message::new("t", "x").key("late"))
-            .await
-            .unwrap();
-    }
-    // The relay finishes, lingers, and turns idle.
-    hold.notify_one();
-    f.wait_rows("idempotency_key = 'keeps-it-busy' AND status = 'sent'", 1)
-        .await;
-    f.wait_idle_relays(1).await;
-    if repeatable_read {
-        // The snapshot was taken while the relay was busy.
-        f.outbox
-            .enqueue(&mut writer, Message::new("t", "x").key("late"))
-            .await
-            .unwrap();
-    }
-    writer.batch_execute("COMMIT").await.unwrap();
     let committed = Instant::now();
     let deadline = committed + Duration::from_secs(5);
     let at = loop {

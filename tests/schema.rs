@@ -2,11 +2,13 @@
 
 mod common;
 
+use common::Alone;
+
 use common::TestSchema;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use diesel_outbox::{EnqueueExt, Error, Message, Outbox};
+use diesel_outbox::{Error, Message, Outbox};
 
 #[derive(QueryableByName)]
 struct Count {
@@ -71,10 +73,10 @@ async fn migrate_repeatedly_and_concurrently(outbox: Outbox, schema: &TestSchema
         vec![1, 2, 3]
     );
     outbox
-        .enqueue(&mut conn, Message::new("t", "works"))
+        .enqueue_alone(&mut conn, Message::new("t", "works"))
         .await
         .unwrap();
-    assert!(outbox.dedupe(&mut conn, "c", "k").await.unwrap());
+    assert!(outbox.dedupe_alone(&mut conn, "c", "k").await.unwrap());
 }
 
 #[tokio::test]
@@ -109,7 +111,7 @@ async fn unqualified_custom_table_migrates_into_the_search_path() {
     outbox.migrate(&mut conn).await.unwrap();
     assert!(table_exists(&mut conn, &schema.table("orders_outbox")).await);
     outbox
-        .enqueue(&mut conn, Message::new("t", "x"))
+        .enqueue_alone(&mut conn, Message::new("t", "x"))
         .await
         .unwrap();
 }
@@ -232,7 +234,10 @@ async fn embedded_migrations_run_through_diesels_harness() {
         vec![1, 2, 3]
     );
     Outbox::new().migrate(&mut conn).await.unwrap();
-    conn.enqueue(Message::new("t", "x")).await.unwrap();
+    Outbox::new()
+        .enqueue_alone(&mut conn, Message::new("t", "x"))
+        .await
+        .unwrap();
     let n: Count = diesel::sql_query("SELECT count(*) AS n FROM outbox")
         .get_result(&mut conn)
         .await
@@ -258,7 +263,7 @@ async fn sql_statements_build_the_same_schema() {
     );
     outbox.migrate(&mut conn).await.unwrap();
     outbox
-        .enqueue(&mut conn, Message::new("t", "x"))
+        .enqueue_alone(&mut conn, Message::new("t", "x"))
         .await
         .unwrap();
 }
@@ -299,7 +304,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
         );
         outbox.migrate(&mut conn).await.unwrap();
         outbox
-            .enqueue(&mut conn, Message::new("t", "x"))
+            .enqueue_alone(&mut conn, Message::new("t", "x"))
             .await
             .unwrap();
     }
@@ -558,7 +563,11 @@ async fn the_outbox_table_joins_with_an_application_table() {
     )
     .await
     .unwrap();
-    conn.enqueue(Message::new("order.created", "x").aggregate_key("order-2"))
+    Outbox::new()
+        .enqueue_alone(
+            &mut conn,
+            Message::new("order.created", "x").aggregate_key("order-2"),
+        )
         .await
         .unwrap();
     let waiting: Vec<(String, String, i32)> = orders::table

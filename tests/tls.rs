@@ -658,7 +658,7 @@ async fn the_binary_relays_to_nats_over_tls_with_its_seed_from_a_file() {
     let mut conn = schema.connect().await;
     outbox.migrate(&mut conn).await.unwrap();
     let seed_file = write(&tempdir(), "seed", &format!("{}\n", nats.seed));
-    let relay = Command::new(BIN)
+    let mut relay = Command::new(BIN)
         .args(["--table", &table, "relay", "--broker", "nats"])
         .args(["--nats-url", &nats.url, "--subject-prefix", "cli."])
         .arg("--nats-tls-ca")
@@ -670,6 +670,13 @@ async fn the_binary_relays_to_nats_over_tls_with_its_seed_from_a_file() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Read the log as it is written: at trace it fills a pipe, which would block the relay.
+    let mut stderr = relay.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut log = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+        log
+    });
     conn.transaction(async |c| {
         outbox
             .enqueue(c, Message::new("order.created", "x").key("cli-nats-tls"))
@@ -685,9 +692,9 @@ async fn the_binary_relays_to_nats_over_tls_with_its_seed_from_a_file() {
     let _ = Command::new("kill")
         .args(["-TERM", &relay.id().to_string()])
         .status();
-    let output = relay.wait_with_output().unwrap();
-    assert!(output.status.success(), "{output:?}");
-    let log = String::from_utf8_lossy(&output.stderr);
+    let status = relay.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let log = log.join().unwrap();
     assert!(log.contains("relay stopped"), "{log}");
     assert!(!log.contains(&nats.seed), "the seed in the logs");
 }

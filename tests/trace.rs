@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::Alone;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -43,7 +45,7 @@ async fn enqueue_publish_and_handler_spans_share_one_trace() {
     // The application's own span around the business transaction.
     async {
         outbox
-            .enqueue(
+            .enqueue_alone(
                 &mut f.conn,
                 Message::new("order.created", "x").key("traced"),
             )
@@ -129,7 +131,7 @@ async fn enqueue_publish_and_handler_spans_share_one_trace() {
     // A retry's publish span belongs with the enqueue's trace by a link, not as its child.
     let retried = async {
         outbox
-            .enqueue(
+            .enqueue_alone(
                 &mut f.conn,
                 Message::new("order.updated", "x").key("retried"),
             )
@@ -192,7 +194,7 @@ async fn enqueue_publish_and_handler_spans_share_one_trace() {
     // The trace headers are the crate's: a message may not set them.
     let err = f
         .outbox
-        .enqueue(
+        .enqueue_alone(
             &mut f.conn,
             Message::new("t", "x").header("traceparent", "00-x"),
         )

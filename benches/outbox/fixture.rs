@@ -14,6 +14,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 
+use crate::common::Alone;
 use crate::measure::{Cpu, CpuUse, status_kib};
 use crate::{BoxResult, KIB};
 
@@ -153,26 +154,15 @@ impl Env {
     }
 
     /// Enqueues 1 KiB messages `m<i>` for each `i` of `range` through `outbox`, 1,000 to a
-    /// statement.
+    /// statement and a transaction.
     pub(crate) async fn enqueue_range(
         &mut self,
         outbox: &Outbox,
         range: std::ops::Range<usize>,
         keys: Keys,
     ) -> BoxResult<()> {
-        let payload = vec![b'x'; KIB];
-        for chunk in range.collect::<Vec<_>>().chunks(1_000) {
-            let msgs = chunk
-                .iter()
-                .map(|&i| {
-                    let m = Message::new("bench.event", payload.clone()).key(format!("m{i}"));
-                    match keys.of(i) {
-                        Some(a) => m.aggregate_key(a),
-                        None => m,
-                    }
-                })
-                .collect();
-            outbox.enqueue_many(&mut self.conn, msgs).await?;
+        for msgs in messages(range, keys) {
+            outbox.enqueue_many_alone(&mut self.conn, msgs).await?;
         }
         Ok(())
     }
@@ -220,10 +210,16 @@ impl Env {
     ) -> BoxResult<Drained> {
         let child = self.relay_process(outbox, args, envs).await?;
         let drained = async {
-            self.conn.batch_execute("BEGIN").await?;
-            self.enqueue_range(outbox, 0..n, keys).await?;
-            self.pool.get().await?.batch_execute("CHECKPOINT").await?;
-            self.conn.batch_execute("COMMIT").await?;
+            // The whole backlog commits at once, after a checkpoint.
+            let pool = &self.pool;
+            diesel_async::AsyncConnection::transaction(&mut self.conn, async |c| {
+                for msgs in messages(0..n, keys) {
+                    outbox.enqueue_many(c, msgs).await?;
+                }
+                pool.get().await?.batch_execute("CHECKPOINT").await?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            })
+            .await?;
             let started = Instant::now();
             let window = self.cpu(Some(child.id()));
             let done = self
@@ -410,4 +406,26 @@ pub(crate) async fn raw_publish(
                 )]))),
         )
         .await
+}
+
+/// The 1 KiB messages `m<i>` for each `i` of `range`, with aggregate keys as `keys` says,
+/// 1,000 to a chunk.
+fn messages(range: std::ops::Range<usize>, keys: Keys) -> Vec<Vec<Message>> {
+    let payload = vec![b'x'; KIB];
+    range
+        .collect::<Vec<_>>()
+        .chunks(1_000)
+        .map(|chunk| {
+            chunk
+                .iter()
+                .map(|&i| {
+                    let m = Message::new("bench.event", payload.clone()).key(format!("m{i}"));
+                    match keys.of(i) {
+                        Some(a) => m.aggregate_key(a),
+                        None => m,
+                    }
+                })
+                .collect()
+        })
+        .collect()
 }

@@ -11,6 +11,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use serde_json::json;
 
+use crate::common::Alone;
 use crate::fixture::Env;
 use crate::measure::percentile;
 use crate::{BoxResult, Figure, round};
@@ -67,7 +68,7 @@ pub(crate) async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
             ticker.tick().await;
             let key = format!("l{i}");
             outbox
-                .enqueue(
+                .enqueue_alone(
                     &mut writer,
                     Message::new("bench.latency", "{}").key(key.clone()),
                 )

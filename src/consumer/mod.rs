@@ -352,6 +352,8 @@ pub(crate) struct Inner<H> {
     pub(crate) handler: H,
     pub(crate) options: Options,
     pub(crate) metrics: Arc<dyn Metrics>,
+    /// What [`Consumer::health`] reports.
+    pub(crate) vitals: crate::health::Vitals,
 }
 
 impl<S, H> fmt::Debug for Consumer<S, H> {
@@ -509,6 +511,7 @@ impl<S: Source, H: Handler> ConsumerBuilder<S, H> {
                 handler,
                 options: self.options,
                 metrics: self.metrics,
+                vitals: crate::health::Vitals::new(run::HEARTBEAT * 10),
             }),
             source: tokio::sync::Mutex::new(source),
         })
@@ -528,5 +531,13 @@ impl<S: Source, H: Handler> Consumer<S, H> {
     pub async fn run_until(&self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let mut source = self.source.lock().await;
         run::run(self.inner.clone(), &mut *source, shutdown).await
+    }
+
+    /// Whether the runner is live (`run_until` is going and its loop answers) and ready
+    /// (its source reaches the broker, and its last transaction did not find the database
+    /// out of reach), with the reasons when it is not: what a container's liveness and
+    /// readiness probes want. The database is looked at only as deliveries are handled.
+    pub fn health(&self) -> crate::Health {
+        self.inner.vitals.health("the consumer", None)
     }
 }

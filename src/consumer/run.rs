@@ -30,6 +30,8 @@ const SOURCE_RETRY_MAX: Duration = Duration::from_secs(10);
 /// How long an acknowledgement (or a reject) may take before it is given up: a broker that
 /// no longer answers delivers the message again once its connection is gone.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The runner's loop turns at least this often, to show it is live.
+pub(super) const HEARTBEAT: Duration = Duration::from_secs(1);
 /// How a database out of reach is waited for: it costs a delivery none of its runs.
 const DATABASE_RETRY_MIN: Duration = Duration::from_millis(100);
 const DATABASE_RETRY_MAX: Duration = Duration::from_secs(5);
@@ -55,6 +57,8 @@ pub(super) async fn run<S: Source, H: Handler>(
     let concurrency = inner.options.concurrency;
     let prefetch = u16::try_from(concurrency).unwrap_or(u16::MAX);
     tracing::info!(table = %table, consumer = %inner.name, options = ?inner.options, "consumer started");
+    let _running = inner.vitals.running();
+    let mut heartbeat = tokio::time::interval(HEARTBEAT);
     let (stopper, stop) = watch::channel(false);
     let mut shutdown = pin!(shutdown.fuse());
     let mut tasks: JoinSet<()> = JoinSet::new();
@@ -83,9 +87,11 @@ pub(super) async fn run<S: Source, H: Handler>(
         // holds across a reconnect, while tasks of the old connection finish.
         let room = tasks.len() + queued < concurrency;
         let waiting_out = retry_at.is_some_and(|at| at > Instant::now());
+        inner.vitals.turned();
         tokio::select! {
             biased;
             () = &mut shutdown => break,
+            _ = heartbeat.tick() => {}
             Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
                 let id = match done {
                     Ok((id, ())) => id,
@@ -116,6 +122,7 @@ pub(super) async fn run<S: Source, H: Handler>(
             () = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if waiting_out => {}
             incoming = source.next(prefetch), if room && !waiting_out => match incoming {
                 Ok(incoming) => {
+                    inner.vitals.broker(None);
                     source_backoff.reset();
                     retry_at = None;
                     match incoming.delivery.aggregate_key.clone() {
@@ -133,6 +140,7 @@ pub(super) async fn run<S: Source, H: Handler>(
                     }
                 }
                 Err(e) => {
+                    inner.vitals.broker(Some(e.to_string()));
                     let delay = source_backoff.failed();
                     tracing::warn!(table = %table, consumer = %inner.name, error = %e, retry_in = ?delay, "consuming failed");
                     retry_at = Some(Instant::now() + delay);
@@ -239,6 +247,7 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
         };
         let failure = match outcome {
             Ok(first) => {
+                inner.vitals.database(None);
                 inner.metrics.consumed(
                     &delivery.topic,
                     if first {
@@ -254,6 +263,7 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
                 break Ended::Acked;
             }
             Err(Failed::Database(why)) => {
+                inner.vitals.database(Some(why.clone()));
                 let delay = unreachable.failed();
                 tracing::warn!(
                     table = %table, consumer = %name, key = %delivery.key, error = %why,

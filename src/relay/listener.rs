@@ -31,6 +31,7 @@ use tokio::sync::{Notify, watch};
 
 use super::PgPool;
 use crate::backoff::Backoff;
+use crate::health::Vitals;
 use crate::sql::{NoParams, Sql, TableName, WAKE_LOCK_CLASS};
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
@@ -162,12 +163,22 @@ impl Statements {
 /// Holds a LISTEN forever: on each notification wakes the relay; on loss reconnects with
 /// capped exponential backoff, reset after every successful LISTEN. Each (re)connect wakes
 /// the relay once, to catch up on notifications sent while nobody listened.
-pub(crate) async fn run(pool: PgPool, sql: Statements, table: String, wake: Arc<Wake>) {
+///
+/// Its connects tell `vitals` whether the database answers: they fail at once when it does
+/// not, where the relay's claims wait for the pool's connection timeout.
+pub(crate) async fn run(
+    pool: PgPool,
+    sql: Statements,
+    table: String,
+    wake: Arc<Wake>,
+    vitals: Arc<Vitals>,
+) {
     let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
     loop {
         let failure = match pool.dedicated_connection().await {
             Ok(mut conn) => match conn.batch_execute(&sql.listen).await {
                 Ok(()) => {
+                    vitals.database(None);
                     wake.set_listening(true);
                     backoff.reset();
                     tracing::debug!(table = %table, "relay listening for wake-ups");
@@ -180,7 +191,10 @@ pub(crate) async fn run(pool: PgPool, sql: Statements, table: String, wake: Arc<
                 }
                 Err(e) => format!("LISTEN failed: {e}"),
             },
-            Err(e) => format!("connecting failed: {e}"),
+            Err(e) => {
+                vitals.database(Some(e.to_string()));
+                format!("connecting failed: {e}")
+            }
         };
         let delay = backoff.failed();
         tracing::warn!(

@@ -21,6 +21,7 @@ use diesel_async::AsyncPgConnection;
 use tokio::sync::watch;
 
 use crate::error::Result;
+use crate::health::{Health, Vitals};
 use crate::metrics::{Metrics, NoMetrics};
 use crate::outbox::Outbox;
 use crate::publisher::Publisher;
@@ -198,6 +199,11 @@ impl<P: Publisher> RelayBuilder<P> {
         self.options.fit_to_lease();
         self.publisher.fit_timeout(self.options.publish_bound());
         self.options.validate(self.publisher.timeout())?;
+        // The loop turns at least every poll interval when idle; busy, it may wait for a
+        // batch as long as that batch's recording may take.
+        let vitals = Arc::new(Vitals::new(
+            2 * self.options.lease + self.options.poll_interval,
+        ));
         Ok(Relay {
             inner: Arc::new(Inner {
                 outbox: self.outbox,
@@ -206,6 +212,7 @@ impl<P: Publisher> RelayBuilder<P> {
                 options: self.options,
                 metrics: self.metrics,
                 outage: Outage::default(),
+                vitals,
                 held: Arc::default(),
                 listening: Arc::new(AtomicUsize::new(0)),
             }),
@@ -252,6 +259,8 @@ struct Inner<P> {
     outage: Outage,
     /// The rows this relay's batches hold until their outcomes are recorded.
     held: Arc<Held>,
+    /// What [`Relay::health`] reports.
+    vitals: Arc<Vitals>,
     /// Runs holding their LISTEN connection.
     listening: Arc<AtomicUsize>,
 }
@@ -261,6 +270,17 @@ impl<P> Relay<P> {
     /// once).
     pub fn listening(&self) -> bool {
         self.inner.listening.load(Ordering::SeqCst) > 0
+    }
+
+    /// Whether the relay is live (a run of it is going, and its loop has turned within
+    /// twice the lease and a poll interval) and ready (its last look at the database
+    /// succeeded, and the broker is not out of reach), with the reasons when it is not:
+    /// what a container's liveness and readiness probes want. `diesel-outbox relay` serves
+    /// it at `/livez` and `/readyz`.
+    pub fn health(&self) -> Health {
+        self.inner
+            .vitals
+            .health("the relay", self.inner.outage.down())
     }
 
     /// The most rows one run of this relay holds claimed at once, whatever it is doing

@@ -30,6 +30,8 @@ pub(super) struct Outage {
 #[derive(Debug, Default)]
 struct State {
     since: Option<Instant>,
+    /// What the last failed try said.
+    why: Option<String>,
     failures: u32,
     retry_at: Option<Instant>,
     logged_at: Option<Instant>,
@@ -59,6 +61,7 @@ impl Outage {
         state.failures = state.failures.saturating_add(1);
         let delay = options.backoff(state.failures).min(OUTAGE_BACKOFF_MAX);
         state.retry_at = Some(now + delay);
+        state.why = Some(err.to_string());
         match state.since {
             None => {
                 state.since = Some(now);
@@ -106,6 +109,13 @@ impl Outage {
     /// When the current outage began, if there is one.
     pub(super) fn since(&self) -> Option<Instant> {
         self.state.lock().expect("outage state").since
+    }
+
+    /// The current outage, if any: what the last try said, and since when.
+    pub(super) fn down(&self) -> Option<(String, Instant)> {
+        let state = self.state.lock().expect("outage state");
+        let since = state.since?;
+        Some((state.why.clone().unwrap_or_default(), since))
     }
 }
 

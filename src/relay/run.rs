@@ -174,6 +174,7 @@ impl<P: Publisher> Relay<P> {
             stalled: Arc::new(AtomicUsize::new(0)),
         };
         tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
+        let _running = inner.vitals.running();
         let pool = inner.store.pool();
         let listener = pool.filter(|_| inner.options.listen).map(|pool| {
             AbortOnDrop::new(tokio::spawn(listener::run(
@@ -181,6 +182,7 @@ impl<P: Publisher> Relay<P> {
                 inner.outbox.statements().listener.clone(),
                 table.clone(),
                 run.wake.clone(),
+                inner.vitals.clone(),
             )))
         });
         let retains = inner.options.retention.is_some() || inner.options.inbox_retention.is_some();
@@ -259,6 +261,7 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         };
+        inner.vitals.database(None);
         let claimed = batch.claimed();
         if claimed > 0 {
             batch.hold = Some(inner.held.hold(batch.claimed_at, batch.unrecorded()));
@@ -325,6 +328,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
     /// Turns until shutdown (or a failure the relay cannot go past), then shuts down.
     async fn run(mut self) -> Result<()> {
         let result = loop {
+            self.relay.inner.vitals.turned();
             if *self.run.stop.borrow() {
                 break Ok(());
             }
@@ -419,6 +423,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
             }
             Err(e @ Error::NotMigrated { .. }) => Some(Turn::Fail(e)),
             Err(e) => {
+                self.relay.inner.vitals.database(Some(e.to_string()));
                 self.failures += 1;
                 let delay = options.backoff(self.failures).min(options.poll_interval);
                 tracing::warn!(table = %self.relay.inner.outbox.table(), error = %e, retry_in = ?delay, "relay cycle failed");

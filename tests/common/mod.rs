@@ -164,6 +164,56 @@ pub async fn pool_for(size: u32, url: String) -> diesel_outbox::PgPool {
         .expect("pool")
 }
 
+/// Enqueue and dedupe each in a transaction of its own, for tests where no business change
+/// goes with them (outside a transaction both are refused).
+pub trait Alone {
+    async fn enqueue_alone(
+        &self,
+        conn: &mut AsyncPgConnection,
+        msg: diesel_outbox::Message,
+    ) -> Result<String, diesel_outbox::Error>;
+    async fn enqueue_many_alone(
+        &self,
+        conn: &mut AsyncPgConnection,
+        msgs: Vec<diesel_outbox::Message>,
+    ) -> Result<Vec<String>, diesel_outbox::Error>;
+    async fn dedupe_alone(
+        &self,
+        conn: &mut AsyncPgConnection,
+        consumer: &str,
+        key: &str,
+    ) -> Result<bool, diesel_outbox::Error>;
+}
+
+impl Alone for diesel_outbox::Outbox {
+    async fn enqueue_alone(
+        &self,
+        conn: &mut AsyncPgConnection,
+        msg: diesel_outbox::Message,
+    ) -> Result<String, diesel_outbox::Error> {
+        conn.transaction(async |c| self.enqueue(c, msg).await).await
+    }
+
+    async fn enqueue_many_alone(
+        &self,
+        conn: &mut AsyncPgConnection,
+        msgs: Vec<diesel_outbox::Message>,
+    ) -> Result<Vec<String>, diesel_outbox::Error> {
+        conn.transaction(async |c| self.enqueue_many(c, msgs).await)
+            .await
+    }
+
+    async fn dedupe_alone(
+        &self,
+        conn: &mut AsyncPgConnection,
+        consumer: &str,
+        key: &str,
+    ) -> Result<bool, diesel_outbox::Error> {
+        conn.transaction(async |c| self.dedupe(c, consumer, key).await)
+            .await
+    }
+}
+
 /// A migrated outbox table of the test's own, a connection and a relay pool.
 pub struct Fixture {
     pub schema: TestSchema,
@@ -237,7 +287,10 @@ impl Fixture {
     }
 
     pub async fn enqueue(&mut self, msg: diesel_outbox::Message) -> String {
-        self.outbox.enqueue(&mut self.conn, msg).await.unwrap()
+        self.outbox
+            .enqueue_alone(&mut self.conn, msg)
+            .await
+            .unwrap()
     }
 
     /// Rows of the outbox where `condition` (SQL) holds.

@@ -18,7 +18,7 @@ use diesel_outbox::{Message, Outbox};
 use crate::broker::{Broker, consume};
 use crate::common::broker::{amqp_url, rabbitmqctl};
 use crate::common::proxy::FaultProxy;
-use crate::common::{self, TestSchema};
+use crate::common::{self, Alone, TestSchema};
 use crate::harness::{self, Db, LEASE, Log, RELAYS, Relays, Run, Tier};
 use crate::{Kind, SERIAL, local_tools};
 
@@ -372,7 +372,7 @@ async fn a_connection_blocked_by_a_resource_alarm_spends_no_attempts() {
     let alarm = Watermark::raise_alarm();
     for i in 0..20 {
         outbox
-            .enqueue(&mut conn, Message::new("t", "x").key(format!("k{i:02}")))
+            .enqueue_alone(&mut conn, Message::new("t", "x").key(format!("k{i:02}")))
             .await
             .unwrap();
     }

@@ -6,11 +6,13 @@
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod durations;
+mod logs;
 mod ops;
 mod output;
 mod relay;
 mod schema;
 mod secret;
+mod serve;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -71,6 +73,10 @@ struct Cli {
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
+
+    /// How log lines on stderr are written: `text`, or `json` (one object per line).
+    #[arg(long, value_enum, default_value_t = logs::LogFormat::Text, env = "OUTBOX_LOG_FORMAT", global = true)]
+    log_format: logs::LogFormat,
 
     #[command(subcommand)]
     command: Command,
@@ -150,6 +156,14 @@ fn main() -> ExitCode {
         }
         Err(e) => e.exit(),
     };
+    // The relay tells what it does; one-shot commands print their output, and only
+    // warnings and errors on stderr.
+    let default_level = if matches!(cli.command, Command::Relay(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    logs::init(cli.log_format, default_level);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -166,9 +166,10 @@ pub(crate) struct RelayArgs {
     /// Database connections in the relay's pool (plus one for LISTEN).
     #[arg(long, default_value_t = 4)]
     pool_size: u32,
-    /// Serve the relay's metrics in the Prometheus text format on this address (such as
-    /// `127.0.0.1:9464`), at any path.
-    #[arg(long)]
+    /// Serve, on this address (such as `127.0.0.1:9464`), the probes `/livez` and
+    /// `/readyz` (200, or 503 with the reasons, as JSON) and at every other path the
+    /// relay's metrics in the Prometheus text format.
+    #[arg(long, visible_alias = "http-addr")]
     metrics_addr: Option<std::net::SocketAddr>,
 }
 
@@ -222,20 +223,12 @@ pub(crate) async fn run(
     no_statement_cache: bool,
     args: RelayArgs,
 ) -> Result<(), Failure> {
-    tracing_subscriber::fmt()
-        .with_env_filter(log_filter(std::env::var("RUST_LOG").ok().as_deref()))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     // Installed before anything else, so a signal during start-up stops the process cleanly
     // too (rather than killing it).
     let shutdown = shutdown_signal().shared();
+    let health = crate::serve::HealthSource::default();
     if let Some(addr) = args.metrics_addr {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .map_err(|e| Failure::new(1, format!("cannot serve metrics on {addr}: {e}")))?;
-        tracing::info!(%addr, "serving metrics");
+        crate::serve::serve(addr, health.clone()).await?;
     }
     let started = async {
         let pool = pool(outbox, database_url, no_statement_cache, &args).await?;
@@ -288,6 +281,19 @@ pub(crate) async fn run(
         relay = started => relay?,
         () = shutdown.clone() => return Ok(()),
     };
+    let probe: Box<dyn Fn() -> diesel_outbox::Health + Send> = match &relay {
+        Running::Rabbitmq(relay) => {
+            let relay = relay.clone();
+            Box::new(move || relay.health())
+        }
+        Running::Nats(relay) => {
+            let relay = relay.clone();
+            Box::new(move || relay.health())
+        }
+    };
+    *health
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(probe);
     match relay {
         Running::Rabbitmq(relay) => relay.run_until(shutdown).await?,
         Running::Nats(relay) => relay.run_until(shutdown).await?,
@@ -343,8 +349,10 @@ async fn pool(
     } else {
         Box::new(diesel_outbox::establish)
     };
+    // A database out of reach shows (in the logs, and in `/readyz`) within seconds.
     let pool = PgPool::builder()
         .max_size(args.pool_size.max(1))
+        .connection_timeout(std::time::Duration::from_secs(5))
         .test_on_check_out(false)
         .build(AsyncDieselConnectionManager::new_with_config(
             database_url.expose(),
@@ -390,64 +398,6 @@ fn build<P: Publisher>(
     Ok(builder.build()?)
 }
 
-/// Targets of dependencies that log payloads or credentials, and the most they may log:
-/// lapin logs returned messages (payload included) at warn and every frame (the login's
-/// password included) at trace; async-nats logs its handshake (credentials included) at
-/// trace; amq-protocol logs the broker URL at trace; tokio-postgres
-/// logs bound parameters (payloads) at debug.
-const QUIET: &[(&str, &str)] = &[
-    ("lapin", "error"),
-    ("async_nats", "debug"),
-    ("amq_protocol", "info"),
-    ("tokio_postgres", "info"),
-];
-
-/// `RUST_LOG` (or `info`), with [`QUIET`]'s directives added for every target it does not
-/// name itself.
-fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
-    let spec = rust_log.filter(|s| !s.trim().is_empty()).unwrap_or("info");
-    const LEVELS: &[&str] = &["trace", "debug", "info", "warn", "error", "off"];
-    // A directive names a target when it is `target`, `target=level` or `target[span]=..`.
-    let named = |target: &str| {
-        spec.split(',').any(|directive| {
-            let directive = directive.trim();
-            let name = match directive.split_once('=') {
-                Some((name, _)) => name,
-                None if LEVELS.contains(&directive.to_ascii_lowercase().as_str()) => return false,
-                None => directive,
-            };
-            let name = name.split('[').next().unwrap_or_default().trim();
-            !name.is_empty() && (name.starts_with(target) || target.starts_with(name))
-        })
-    };
-    // A quiet target's level is a cap: it is added only where the general level would let
-    // more through (never to make a target louder than `RUST_LOG` asked).
-    let general = spec
-        .split(',')
-        .map(|d| d.trim().to_ascii_lowercase())
-        .rfind(|d| LEVELS.contains(&d.as_str()))
-        .map_or(LEVELS.len() - 1, |d| verbosity(&d));
-    let mut directives = vec![spec.to_owned()];
-    for (target, level) in QUIET {
-        if !named(target) && verbosity(level) > general {
-            directives.push(format!("{target}={level}"));
-        }
-    }
-    tracing_subscriber::EnvFilter::try_new(directives.join(",")).unwrap_or_else(|_| {
-        let mut fallback = vec!["info".to_owned()];
-        fallback.extend(QUIET.iter().map(|(t, l)| format!("{t}={l}")));
-        tracing_subscriber::EnvFilter::new(fallback.join(","))
-    })
-}
-
-/// How much a level lets through: 0 for `trace`, up to 5 for `off`.
-fn verbosity(level: &str) -> usize {
-    ["trace", "debug", "info", "warn", "error", "off"]
-        .iter()
-        .position(|l| *l == level)
-        .unwrap_or(2)
-}
-
 /// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when
 /// the future is first polled.
 fn shutdown_signal() -> futures_util::future::BoxFuture<'static, ()> {
@@ -477,46 +427,5 @@ fn shutdown_signal() -> futures_util::future::BoxFuture<'static, ()> {
             let _ = tokio::signal::ctrl_c().await;
             tracing::info!("shutdown signal received");
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn shown(rust_log: Option<&str>) -> String {
-        log_filter(rust_log).to_string()
-    }
-
-    #[test]
-    fn the_quiet_targets_are_added_unless_named() {
-        for spec in [Some("trace"), Some("info,diesel_outbox=trace,trace")] {
-            let filter = shown(spec);
-            for (target, level) in QUIET {
-                assert!(
-                    filter.contains(&format!("{target}={level}")),
-                    "{spec:?}: {filter}"
-                );
-            }
-        }
-        // At info (the default) only the targets capped below info get a directive.
-        for spec in [None, Some(""), Some("info")] {
-            let filter = shown(spec);
-            assert!(filter.contains("lapin=error"), "{spec:?}: {filter}");
-            assert!(!filter.contains("async_nats="), "{spec:?}: {filter}");
-        }
-        // A cap never makes a target louder than asked.
-        let quiet = shown(Some("warn"));
-        assert!(!quiet.contains("async_nats=debug"), "{quiet}");
-        assert!(!quiet.contains("tokio_postgres=info"), "{quiet}");
-        assert!(quiet.contains("lapin=error"), "{quiet}");
-        let targets_only = shown(Some("diesel_outbox=trace"));
-        assert!(!targets_only.contains("async_nats"), "{targets_only}");
-        let named = shown(Some("trace,lapin=debug"));
-        assert!(
-            named.contains("lapin=debug") && !named.contains("lapin=error"),
-            "{named}"
-        );
-        assert!(named.contains("tokio_postgres=info"), "{named}");
     }
 }
