@@ -15,10 +15,8 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::consumer::{Consumer, Delivery, HandleError, handler_fn, rabbitmq};
+use diesel_outbox::rabbitmq::Topology;
 use diesel_outbox::{Outbox, PgPool};
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
 #[derive(serde::Deserialize)]
 struct OrderCreated {
@@ -63,7 +61,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
          event_key text NOT NULL)",
     )
     .await?;
-    declare(&amqp_url).await?;
+    // The exchange `events`, the queue `invoicing` bound to `order.*`, and its dead letters
+    // (`invoicing.dead`); what exists already is left as it is.
+    Topology::exchange("events")
+        .queue("invoicing", "order.*")
+        .declare(&amqp_url)
+        .await?;
 
     let pool = PgPool::builder()
         .max_size(8)
@@ -83,57 +86,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
-    Ok(())
-}
-
-/// The exchange `events`, the queue `invoicing` bound to `order.*`, and its dead letters.
-async fn declare(amqp_url: &str) -> Result<(), lapin::Error> {
-    let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
-    let channel = connection.create_channel().await?;
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    for (name, kind) in [
-        ("events", ExchangeKind::Topic),
-        ("invoicing.dead", ExchangeKind::Fanout),
-    ] {
-        channel
-            .exchange_declare(
-                name.into(),
-                kind,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-    }
-    channel
-        .queue_declare("invoicing.dead".into(), durable, FieldTable::default())
-        .await?;
-    let dead_letters = FieldTable::from(std::collections::BTreeMap::from([(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString("invoicing.dead".into()),
-    )]));
-    channel
-        .queue_declare("invoicing".into(), durable, dead_letters)
-        .await?;
-    for (queue, exchange, binding) in [
-        ("invoicing", "events", "order.*"),
-        ("invoicing.dead", "invoicing.dead", ""),
-    ] {
-        channel
-            .queue_bind(
-                queue.into(),
-                exchange.into(),
-                binding.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-    }
-    connection.close(200, "declared".into()).await?;
     Ok(())
 }

@@ -19,14 +19,10 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::consumer::{Consumer, Delivery, HandleError, handler_fn, rabbitmq};
-use diesel_outbox::rabbitmq::RabbitMqPublisher;
+use diesel_outbox::rabbitmq::{RabbitMqPublisher, Topology};
 use diesel_outbox::{Consumed, Error, Message, Metrics, Outbox, PgPool};
-use lapin::options::{
-    BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-    QueuePurgeOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::options::{BasicPublishOptions, QueueDeleteOptions};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
 #[path = "../tests/common/services.rs"]
 mod services;
@@ -71,10 +67,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     .await?;
     outbox.migrate(&mut conn).await?;
 
-    // Broker: an exchange and a durable queue for the invoicing consumer.
+    // Broker: an exchange, and a durable queue for the invoicing consumer with its dead
+    // letters, created fresh on every run.
     let amqp = Connection::connect(&amqp_url, ConnectionProperties::default()).await?;
     let channel = amqp.create_channel().await?;
-    declare(&channel).await?;
+    for queue in [QUEUE, &format!("{QUEUE}.dead")] {
+        channel
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await?;
+    }
+    Topology::exchange(EXCHANGE)
+        .queue(QUEUE, "order.*")
+        .declare(&amqp_url)
+        .await?;
 
     // 1. Orders: the event is written in the order's own transaction.
     let mut enqueued = 0;
@@ -227,43 +232,6 @@ async fn redeliver(channel: &Channel, id: i32) -> Result<(), lapin::Error> {
             BasicProperties::default().with_message_id(format!("order-{id}-created").into()),
         )
         .await?
-        .await?;
-    Ok(())
-}
-
-async fn declare(channel: &Channel) -> Result<(), lapin::Error> {
-    channel
-        .exchange_declare(
-            EXCHANGE.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    channel
-        .queue_declare(
-            QUEUE.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    channel
-        .queue_bind(
-            QUEUE.into(),
-            EXCHANGE.into(),
-            "order.*".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    channel
-        .queue_purge(QUEUE.into(), QueuePurgeOptions::default())
         .await?;
     Ok(())
 }

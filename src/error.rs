@@ -43,6 +43,15 @@ pub enum Error {
     )]
     NotInTransaction(&'static str),
 
+    /// What the relay publishes to or a consumer consumes from does not exist on the broker
+    /// (an exchange, a queue, a JetStream stream for the subject prefix, a durable
+    /// consumer): found when the publisher connects or the consumer starts, where no retry
+    /// would mend it. Declare it (the brokers' `Topology`, or `diesel-outbox declare`), or
+    /// fix the name. Once running, a destination that disappears is an outage instead (a
+    /// broker restart can drop one for a while).
+    #[error("{0}")]
+    NotDeclared(String),
+
     /// The outbox table does not exist.
     #[error("outbox table {table} is missing: run `migrate` first")]
     NotMigrated {

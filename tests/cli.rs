@@ -717,3 +717,83 @@ async fn stats_watch_prints_one_reading_a_second_for_count_readings() {
     let zero = cli(&table, &["stats", "--watch", "--count", "0"]);
     assert_eq!(zero.status.code(), Some(2), "--count 0 is a usage error");
 }
+
+/// `declare` creates what the relay and its consumers need, and running it again changes
+/// nothing: on RabbitMQ the exchange, a queue and its dead letters, on NATS a stream and a
+/// durable consumer. A relay on an exchange that does not exist stops at once with exit
+/// code 5, naming it.
+#[tokio::test]
+async fn declare_creates_the_topology_and_a_relay_on_a_missing_exchange_exits_five() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(stdout(&cli(&table, &["migrate"])).contains("migrated"));
+    let exchange = common::unique("x");
+    let queue = common::unique("q");
+    let run = |args: &[&str]| {
+        Command::new(BIN)
+            .args(args)
+            .env("AMQP_URL", amqp_url())
+            .env("NATS_URL", common::nats_url())
+            .output()
+            .unwrap()
+    };
+    let rabbit = [
+        "declare",
+        "--exchange",
+        &exchange,
+        "--queue",
+        &queue,
+        "--json",
+    ];
+    for _ in 0..2 {
+        let out = json(&run(&rabbit));
+        assert_eq!(out["declared"][0], format!("exchange {exchange}"), "{out}");
+    }
+    let prefix = format!("{}.", common::unique("cli"));
+    let stream = prefix.trim_end_matches('.').to_uppercase();
+    let nats = [
+        "declare",
+        "--broker",
+        "nats",
+        "--stream",
+        &stream,
+        "--subject-prefix",
+        &prefix,
+        "--durable",
+        "invoicing",
+    ];
+    for _ in 0..2 {
+        let out = run(&nats);
+        assert!(stdout(&out).contains(&format!("stream {stream}")));
+    }
+
+    let missing = common::unique("missing");
+    let out = Command::new(BIN)
+        .args(["--table", &table, "relay", "--exchange", &missing])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert!(
+        stderr.contains(&format!("exchange `{missing}` does not exist")),
+        "{stderr}"
+    );
+
+    let amqp = common::broker::connect().await;
+    let channel = amqp.create_channel().await.unwrap();
+    let dead = format!("{queue}.dead");
+    for q in [&queue, &dead] {
+        let _ = channel
+            .queue_delete(q.as_str().into(), Default::default())
+            .await;
+    }
+    for x in [&exchange, &dead] {
+        let _ = channel
+            .exchange_delete(x.as_str().into(), Default::default())
+            .await;
+    }
+    let js = async_nats::jetstream::new(common::nats::connect().await);
+    let _ = js.delete_stream(&stream).await;
+}

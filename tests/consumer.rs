@@ -689,3 +689,26 @@ fn a_delivery_decodes_json_and_hides_its_payload() {
         "the error quotes no payload: {err}"
     );
 }
+
+/// A queue that does not exist fails the runner at once, naming it: no retry would mend it.
+#[tokio::test]
+async fn a_missing_queue_fails_the_runner_at_once() {
+    let s = Setup::new().await;
+    let missing = common::unique("missing");
+    let consumer = Consumer::builder(s.outbox.clone(), s.pool.clone(), "invoicing")
+        .source(rabbitmq::Source::queue(
+            common::broker::amqp_url(),
+            &missing,
+        ))
+        .handler(s.writer(Arc::default()))
+        .build()
+        .unwrap();
+    let result = tokio::time::timeout(DEADLINE, consumer.run_until(std::future::pending()))
+        .await
+        .expect("fails at once");
+    let err = result.unwrap_err();
+    assert!(
+        matches!(&err, Error::NotDeclared(m) if m.contains(&format!("queue `{missing}` does not exist"))),
+        "{err:?}"
+    );
+}

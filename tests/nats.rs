@@ -195,12 +195,26 @@ async fn an_outage_spends_no_attempts_and_the_backlog_drains_when_the_server_is_
 async fn no_stream_is_an_outage_until_one_exists() {
     let mut f = fixture().await;
     let prefix = format!("{}.", common::unique("later"));
+    // At start no stream is refused at once, naming the prefix.
+    let err = JetStreamPublisher::builder(nats_url())
+        .subject_prefix(&prefix)
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, diesel_outbox::Error::NotDeclared(m) if m.contains(&format!("captures subjects `{prefix}>`"))),
+        "{err:?}"
+    );
+    // Once running, a stream that goes away is an outage.
+    let stream = TestStream::for_prefix(&prefix).await;
     let relay = f
         .outbox
         .relay(f.pool.clone(), publisher(nats_url(), &prefix).await)
         .max_attempts(1)
         .build()
         .unwrap();
+    stream.jetstream.delete_stream(&stream.name).await.unwrap();
+    drop(stream);
     for i in 0..5 {
         f.enqueue(Message::new("t", "x").key(format!("k{i}"))).await;
     }
@@ -251,4 +265,47 @@ async fn a_full_stream_is_an_outage_and_a_message_over_its_size_is_permanent() {
         .unwrap_err();
     assert!(big.is_permanent(), "{big}");
     assert_eq!(stream.stored().await, 1);
+}
+
+/// `nats::Topology`: a stream capturing the prefix and a durable consumer; declaring again
+/// changes nothing, and the relay's publisher finds the stream; a stream of that name that
+/// captures something else is refused, naming it. A runner on a durable consumer that does
+/// not exist fails at once, naming it.
+#[tokio::test]
+async fn the_topology_declares_a_stream_and_a_durable_and_a_missing_durable_fails_the_runner() {
+    use diesel_outbox::nats::Topology;
+    let f = fixture().await;
+    let prefix = format!("{}.", common::unique("topo"));
+    let name = prefix.trim_end_matches('.').to_uppercase();
+    let topology = Topology::stream(&name, &prefix).durable("invoicing");
+    topology.declare(&nats_url()).await.unwrap();
+    topology.declare(&nats_url()).await.unwrap();
+    JetStreamPublisher::builder(nats_url())
+        .subject_prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    let misfit = Topology::stream(&name, "elsewhere.")
+        .declare(&nats_url())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&misfit, Error::InvalidOption(m) if m.contains(&format!("stream `{name}` exists"))),
+        "{misfit:?}"
+    );
+    let consumer = Consumer::builder(f.outbox.clone(), f.pool.clone(), "invoicing")
+        .source(nats::Source::durable(nats_url(), &name, "nobody").subject_prefix(&prefix))
+        .handler(handler_fn(|_, _| Box::pin(async { Ok(()) })))
+        .build()
+        .unwrap();
+    let err = tokio::time::timeout(DEADLINE, consumer.run_until(std::future::pending()))
+        .await
+        .expect("fails at once")
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::NotDeclared(m) if m.contains("durable consumer `nobody`")),
+        "{err:?}"
+    );
+    let js = async_nats::jetstream::new(common::nats::connect().await);
+    js.delete_stream(&name).await.unwrap();
 }

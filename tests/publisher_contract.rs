@@ -35,7 +35,8 @@ trait Harness: Sized {
     async fn new() -> Self;
     /// A publisher to this harness's own destination.
     async fn publisher(&self) -> Self::P;
-    /// A publisher whose destination is out of reach (missing exchange, no stream).
+    /// A publisher whose destination went out of reach after it connected (the exchange
+    /// deleted, the stream deleted): at start a missing one is refused.
     async fn out_of_reach(&self) -> Self::P;
     /// A record the broker refuses for itself, with `key`.
     fn refused(&self, key: &str) -> Record;
@@ -415,11 +416,22 @@ mod rabbit {
         }
 
         async fn out_of_reach(&self) -> RabbitMqPublisher {
-            T::builder(T::url(false), &unique("missing"))
+            let name = unique("gone");
+            diesel_outbox::rabbitmq::Topology::exchange(&name)
+                .declare(&amqp_url())
+                .await
+                .unwrap();
+            let publisher = T::builder(T::url(false), &name)
                 .confirm_timeout(Duration::from_secs(5))
                 .connect()
                 .await
-                .unwrap()
+                .unwrap();
+            self.broker
+                .channel
+                .exchange_delete(name.as_str().into(), Default::default())
+                .await
+                .unwrap();
+            publisher
         }
 
         fn refused(&self, key: &str) -> Record {
@@ -572,12 +584,18 @@ mod jetstream {
         }
 
         async fn out_of_reach(&self) -> JetStreamPublisher {
-            T::builder(self.server.as_ref(), false)
-                .subject_prefix(format!("{}.", unique("nostream")))
+            let stream = match &self.server {
+                Some(server) => TestStream::on(server.client().await, |c| c).await,
+                None => TestStream::new().await,
+            };
+            let publisher = T::builder(self.server.as_ref(), false)
+                .subject_prefix(&stream.prefix)
                 .ack_timeout(Duration::from_secs(5))
                 .connect()
                 .await
-                .unwrap()
+                .unwrap();
+            stream.jetstream.delete_stream(&stream.name).await.unwrap();
+            publisher
         }
 
         fn refused(&self, key: &str) -> Record {

@@ -422,9 +422,29 @@ async fn a_missing_exchange_spends_no_attempt_and_the_channel_recovers() {
     let mut f = fixture().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
-    // A publisher to an exchange that does not exist: the broker closes the channel.
-    let missing = RabbitMqPublisher::builder(amqp_url(), common::unique("missing"))
+    // At start a missing exchange is refused at once, naming it: no retry would mend it.
+    let name = common::unique("gone");
+    let err = RabbitMqPublisher::builder(amqp_url(), &name)
         .connect()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::NotDeclared(m) if m.contains(&format!("exchange `{name}` does not exist"))),
+        "{err:?}"
+    );
+    // Once running, an exchange that disappears is an outage: the broker closes the
+    // channel of each publish to it.
+    diesel_outbox::rabbitmq::Topology::exchange(&name)
+        .declare(&amqp_url())
+        .await
+        .unwrap();
+    let missing = RabbitMqPublisher::builder(amqp_url(), &name)
+        .connect()
+        .await
+        .unwrap();
+    broker
+        .channel
+        .exchange_delete(name.as_str().into(), Default::default())
         .await
         .unwrap();
     f.outbox
@@ -674,4 +694,72 @@ async fn a_short_lease_alone_is_enough_and_an_explicit_misfit_is_refused() {
         err.contains("drain_timeout 11s exceeds half the lease"),
         "{err}"
     );
+}
+
+/// `rabbitmq::Topology`: the exchange, a queue bound to it, and the queue's dead letters;
+/// declaring again changes nothing; the same queue asked for without dead letters is
+/// refused, naming it. A message published to a bound topic reaches the queue, and one
+/// rejected there reaches `<queue>.dead`.
+#[tokio::test]
+async fn the_topology_declares_what_the_relay_and_consumers_need() {
+    use diesel_outbox::rabbitmq::Topology;
+    use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
+    let exchange = common::unique("x");
+    let queue = common::unique("q");
+    let topology = Topology::exchange(&exchange).queue(&queue, "order.*");
+    topology.declare(&amqp_url()).await.unwrap();
+    topology.declare(&amqp_url()).await.unwrap();
+    let publisher = publisher(&exchange).await;
+    publisher
+        .publish(&Record::new("k", "order.created", "x"))
+        .await
+        .unwrap();
+    let amqp = common::broker::connect().await;
+    let channel = amqp.create_channel().await.unwrap();
+    let got = eventually(DEADLINE, "the message in the queue", || async {
+        channel
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+    })
+    .await;
+    got.delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    let dead = format!("{queue}.dead");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    eventually(DEADLINE, "the rejected message dead-lettered", || async {
+        let q = channel
+            .queue_declare(dead.as_str().into(), passive, FieldTable::default())
+            .await
+            .unwrap();
+        (q.message_count() == 1).then_some(())
+    })
+    .await;
+    let misfit = Topology::exchange(&exchange)
+        .queue(&queue, "order.*")
+        .without_dead_letters()
+        .declare(&amqp_url())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&misfit, Error::InvalidOption(m) if m.contains(&format!("queue `{queue}` cannot be declared"))),
+        "{misfit:?}"
+    );
+    let channel = amqp.create_channel().await.unwrap();
+    for q in [&queue, &dead] {
+        let _ = channel
+            .queue_delete(q.as_str().into(), Default::default())
+            .await;
+    }
+    for x in [&exchange, &dead] {
+        let _ = channel
+            .exchange_delete(x.as_str().into(), Default::default())
+            .await;
+    }
 }

@@ -187,6 +187,45 @@ impl super::Source for Source {
         Ok(())
     }
 
+    async fn verify(&mut self) -> Result<(), String> {
+        use async_nats::jetstream::ErrorCode;
+        use async_nats::jetstream::stream::ConsumerErrorKind;
+        let Ok(servers) = &self.servers else {
+            return Ok(());
+        };
+        let check = async {
+            let (client, _lost) = servers
+                .connect("diesel-outbox consumer", CONNECT_TIMEOUT)
+                .await
+                .ok()?;
+            let found = jetstream::new(client)
+                .get_consumer_from_stream::<pull::Config, _, _>(&self.durable, &self.stream)
+                .await;
+            match found {
+                Err(e) => match e.kind() {
+                    ConsumerErrorKind::JetStream(js)
+                        if [ErrorCode::CONSUMER_NOT_FOUND, ErrorCode::STREAM_NOT_FOUND]
+                            .contains(&js.error_code()) =>
+                    {
+                        Some(js.to_string())
+                    }
+                    _ => None,
+                },
+                Ok(_) => None,
+            }
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, check).await {
+            Ok(Some(why)) => Err(format!(
+                "durable consumer `{}` of stream `{}` does not exist on NATS at {} ({why}): \
+                 declare it (nats::Topology, or diesel-outbox declare --broker nats) or fix \
+                 the names",
+                self.durable, self.stream, servers.endpoint
+            )),
+            // Out of reach: the runner's loop waits for the server.
+            _ => Ok(()),
+        }
+    }
+
     async fn next(&mut self, prefetch: u16) -> Result<Incoming, BoxError> {
         loop {
             let live = self

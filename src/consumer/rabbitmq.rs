@@ -16,6 +16,7 @@ use futures_util::future::BoxFuture;
 use lapin::Acker;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection};
@@ -148,6 +149,44 @@ impl super::Source for Source {
             return Err("the queue name is over 255 bytes".into());
         }
         Ok(())
+    }
+
+    async fn verify(&mut self) -> Result<(), String> {
+        let Ok(endpoint) = &self.endpoint else {
+            return Ok(());
+        };
+        let check = async {
+            let connection = endpoint
+                .connect(&format!("diesel-outbox consumer of {}", self.queue))
+                .await?;
+            let exists = async {
+                let channel = connection.create_channel().await?;
+                channel
+                    .queue_declare(
+                        self.queue.as_str().into(),
+                        QueueDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?;
+                // Closed before the connection, which lapin would otherwise log as an error.
+                channel.close(200, "checked".into()).await
+            }
+            .await;
+            let _ = connection.close(200, "checked".into()).await;
+            exists
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, check).await {
+            Ok(Err(e)) if crate::publisher::rabbitmq::not_found(&e) => Err(format!(
+                "queue `{}` does not exist on RabbitMQ at {}: declare it (rabbitmq::Topology, \
+                 or diesel-outbox declare) or fix the name",
+                self.queue, endpoint.name
+            )),
+            // Out of reach: the runner's loop waits for the broker.
+            _ => Ok(()),
+        }
     }
 
     async fn next(&mut self, prefetch: u16) -> Result<Incoming, BoxError> {

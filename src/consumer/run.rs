@@ -53,6 +53,7 @@ pub(super) async fn run<S: Source, H: Handler>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
     check_inbox(&inner).await?;
+    source.verify().await.map_err(Error::NotDeclared)?;
     let table = inner.outbox.table().to_owned();
     let concurrency = inner.options.concurrency;
     let prefetch = u16::try_from(concurrency).unwrap_or(u16::MAX);

@@ -23,6 +23,15 @@ pub trait Source: Send + 'static {
         Ok(())
     }
 
+    /// Whether what the source consumes exists on the broker (the queue, the durable
+    /// consumer), looked at once when the runner starts: `Err`, naming it, when it does
+    /// not; the runner then fails at once ([`Error::NotDeclared`](crate::Error::NotDeclared)),
+    /// as no retry would mend it. A broker out of reach is no error here: the runner
+    /// retries it. Defaults to `Ok`.
+    fn verify(&mut self) -> impl Future<Output = Result<(), String>> + Send {
+        std::future::ready(Ok(()))
+    }
+
     /// Stops the subscription: deliveries not settled by now go back to the broker, to be
     /// delivered again. Called once the runner has drained.
     fn close(&mut self) -> impl Future<Output = ()> + Send;

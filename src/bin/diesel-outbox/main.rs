@@ -5,6 +5,7 @@
 //! URL-valued argument in `secret`, and output through any writer in `output`.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod broker;
 mod durations;
 mod logs;
 mod ops;
@@ -24,10 +25,11 @@ use crate::output::Output;
 use crate::secret::{Secret, Secrets};
 
 /// Exit codes: 0 success, 1 other failure, 2 usage error, 3 connection failure, 4 table not
-/// migrated.
+/// migrated, 5 a broker destination missing.
 const USAGE: u8 = 2;
 const CONNECTION: u8 = 3;
 const NOT_MIGRATED: u8 = 4;
+const NOT_DECLARED: u8 = 5;
 
 #[derive(Parser)]
 #[command(
@@ -35,7 +37,8 @@ const NOT_MIGRATED: u8 = 4;
     version,
     about = "Operate a diesel-outbox table: migrate, inspect, redrive, purge, relay.",
     after_help = "Exit codes: 0 success, 1 failure, 2 usage error, 3 connection failure \
-                  (database or broker), 4 table not migrated."
+                  (database or broker), 4 table not migrated, 5 an exchange, queue, stream \
+                  or durable consumer missing on the broker (see `declare`)."
 )]
 struct Cli {
     /// PostgreSQL URL, with libpq's TLS parameters if need be (`sslmode`, `sslrootcert`,
@@ -96,8 +99,13 @@ enum Command {
     Redrive(ops::RedriveArgs),
     /// Delete old sent rows and inbox (dedupe) records.
     Purge(ops::PurgeArgs),
-    /// Run a relay to RabbitMQ until SIGINT or SIGTERM, then drain and exit.
+    /// Run a relay to RabbitMQ or NATS JetStream until SIGINT or SIGTERM, then drain and
+    /// exit.
     Relay(Box<relay::RelayArgs>),
+    /// Declare what the relay and its consumers need on the broker (RabbitMQ: the exchange,
+    /// queues and their dead letters; NATS: the stream and durable consumers); safe to
+    /// run again.
+    Declare(Box<broker::DeclareArgs>),
 }
 
 impl Cli {
@@ -108,10 +116,10 @@ impl Cli {
             ("database_url", self.database_url.take()),
             ("database_url_file", self.database_url_file.take()),
         )?;
-        if let (Command::Relay(args), Some(("relay", relay))) =
-            (&mut self.command, matches.subcommand())
-        {
-            args.resolve(relay)?;
+        match (&mut self.command, matches.subcommand()) {
+            (Command::Relay(args), Some(("relay", sub))) => args.broker.resolve(sub)?,
+            (Command::Declare(args), Some(("declare", sub))) => args.broker.resolve(sub)?,
+            _ => {}
         }
         Ok(self)
     }
@@ -137,6 +145,7 @@ impl From<Error> for Failure {
     fn from(err: Error) -> Self {
         let code = match &err {
             Error::NotMigrated { .. } => NOT_MIGRATED,
+            Error::NotDeclared(_) => NOT_DECLARED,
             Error::Pool(_) | Error::Publish(_) => CONNECTION,
             e if e.is_invalid_input() => USAGE,
             _ => 1,
@@ -195,6 +204,9 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
     if let Command::Sql(args) = &cli.command {
         return schema::sql(&outbox, args, &mut output);
     }
+    if let Command::Declare(args) = cli.command {
+        return broker::declare(*args, &mut output).await;
+    }
     let url = cli.database_url.ok_or_else(|| {
         Failure::new(
             USAGE,
@@ -226,7 +238,9 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
         Command::Dead(args) => ops::dead(&outbox, &mut conn, args, &mut output).await,
         Command::Redrive(args) => ops::redrive(&outbox, &mut conn, args, &mut output).await,
         Command::Purge(args) => ops::purge(&outbox, &mut conn, args, &mut output).await,
-        Command::Sql(_) | Command::Relay(_) => unreachable!("handled above"),
+        Command::Sql(_) | Command::Relay(_) | Command::Declare(_) => {
+            unreachable!("handled above")
+        }
     }
 }
 

@@ -2,122 +2,26 @@
 //! to the library's (`diesel_outbox::defaults`); its logs leave out what dependencies would
 //! print of payloads and credentials.
 
-use std::path::PathBuf;
-
-use clap::{Args, ValueEnum};
+use clap::Args;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_outbox::defaults;
-use diesel_outbox::nats::{Credentials, JetStreamPublisher};
+use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
-use diesel_outbox::{Error, Outbox, PgPool, Publisher, Relay, Tls};
+use diesel_outbox::{Error, Outbox, PgPool, Publisher, Relay};
 use futures_util::FutureExt;
 
+use crate::broker::{Broker, BrokerArgs};
 use crate::durations::{Age, Period};
-use crate::secret::{self, Secret};
+use crate::secret::Secret;
 use crate::{CONNECTION, Failure, USAGE};
-
-/// The brokers a relay can publish to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum Broker {
-    /// RabbitMQ: `--amqp-url` and `--exchange`.
-    Rabbitmq,
-    /// NATS JetStream: `--nats-url` and `--subject-prefix`.
-    Nats,
-}
 
 #[derive(Args)]
 pub(crate) struct RelayArgs {
-    /// The broker to publish to.
-    #[arg(long, value_enum, default_value_t = Broker::Rabbitmq, env = "OUTBOX_BROKER")]
-    broker: Broker,
-    /// RabbitMQ URL (with `--broker rabbitmq`): `amqp://`, or `amqps://` for TLS
-    /// (`?auth_mechanism=external` logs in with the client certificate).
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    amqp_url: Option<Secret>,
-    /// A file holding the RabbitMQ URL, instead of `--amqp-url`.
-    #[arg(long, env = "AMQP_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
-    amqp_url_file: Option<Secret>,
-    /// A PEM file of CAs to trust for `amqps://`, besides the platform's roots.
-    #[arg(long, env = "AMQP_TLS_CA", value_name = "PATH")]
-    amqp_tls_ca: Option<PathBuf>,
-    /// A PEM client certificate for `amqps://` (with `--amqp-tls-key`).
-    #[arg(
-        long,
-        env = "AMQP_TLS_CERT",
-        value_name = "PATH",
-        requires = "amqp_tls_key"
-    )]
-    amqp_tls_cert: Option<PathBuf>,
-    /// The PEM private key of `--amqp-tls-cert`.
-    #[arg(
-        long,
-        env = "AMQP_TLS_KEY",
-        value_name = "PATH",
-        requires = "amqp_tls_cert"
-    )]
-    amqp_tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) broker: BrokerArgs,
     /// Exchange to publish to, which must exist (with `--broker rabbitmq`).
     #[arg(long, env = "OUTBOX_EXCHANGE")]
     exchange: Option<String>,
-    /// NATS URL, or several comma-separated (with `--broker nats`); `tls://` for TLS.
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
-    nats_url: Option<Secret>,
-    /// A file holding the NATS URL, instead of `--nats-url`.
-    #[arg(long, env = "NATS_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
-    nats_url_file: Option<Secret>,
-    /// Connect to NATS over TLS, verified against the platform's roots (and
-    /// `--nats-tls-ca`), whatever the URL says.
-    #[arg(long, env = "NATS_TLS", value_parser = clap::builder::BoolishValueParser::new())]
-    nats_tls: bool,
-    /// A PEM file of CAs to trust for NATS, besides the platform's roots (implies
-    /// `--nats-tls`).
-    #[arg(long, env = "NATS_TLS_CA", value_name = "PATH")]
-    nats_tls_ca: Option<PathBuf>,
-    /// A PEM client certificate for NATS (with `--nats-tls-key`; implies `--nats-tls`).
-    #[arg(
-        long,
-        env = "NATS_TLS_CERT",
-        value_name = "PATH",
-        requires = "nats_tls_key"
-    )]
-    nats_tls_cert: Option<PathBuf>,
-    /// The PEM private key of `--nats-tls-cert`.
-    #[arg(
-        long,
-        env = "NATS_TLS_KEY",
-        value_name = "PATH",
-        requires = "nats_tls_cert"
-    )]
-    nats_tls_key: Option<PathBuf>,
-    /// A NATS credentials file (`.creds`: a user JWT and its NKey seed).
-    #[arg(long, env = "NATS_CREDS", value_name = "PATH")]
-    nats_creds: Option<PathBuf>,
-    /// An NKey seed to log in to NATS with.
-    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
-    nats_nkey: Option<Secret>,
-    /// A file holding the NKey seed, instead of `--nats-nkey`.
-    #[arg(long, env = "NATS_NKEY_FILE", value_name = "PATH", value_parser = secret::read_file)]
-    nats_nkey_file: Option<Secret>,
-    /// A token to log in to NATS with.
-    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
-    nats_token: Option<Secret>,
-    /// A file holding the token, instead of `--nats-token`.
-    #[arg(long, env = "NATS_TOKEN_FILE", value_name = "PATH", value_parser = secret::read_file)]
-    nats_token_file: Option<Secret>,
-    /// A user to log in to NATS as (with `--nats-password` or `--nats-password-file`).
-    #[arg(long, env = "NATS_USER")]
-    nats_user: Option<String>,
-    /// The password of `--nats-user`.
-    #[arg(
-        long,
-        env = "NATS_PASSWORD",
-        hide_env_values = true,
-        requires = "nats_user"
-    )]
-    nats_password: Option<Secret>,
-    /// A file holding the password of `--nats-user`, instead of `--nats-password`.
-    #[arg(long, env = "NATS_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "nats_user")]
-    nats_password_file: Option<Secret>,
     /// Put in front of each topic to make its NATS subject, which a JetStream stream must
     /// capture (with `--broker nats`).
     #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "")]
@@ -173,50 +77,6 @@ pub(crate) struct RelayArgs {
     metrics_addr: Option<std::net::SocketAddr>,
 }
 
-impl RelayArgs {
-    /// Each secret given both as a value and as a file, settled (see [`secret::pick`]).
-    pub(crate) fn resolve(&mut self, matches: &clap::ArgMatches) -> Result<(), String> {
-        let pick = |value: (&str, &mut Option<Secret>), file: (&str, &mut Option<Secret>)| {
-            let chosen = secret::pick(matches, (value.0, value.1.take()), (file.0, file.1.take()))?;
-            *value.1 = chosen;
-            Ok::<_, String>(())
-        };
-        pick(
-            ("amqp_url", &mut self.amqp_url),
-            ("amqp_url_file", &mut self.amqp_url_file),
-        )?;
-        pick(
-            ("nats_url", &mut self.nats_url),
-            ("nats_url_file", &mut self.nats_url_file),
-        )?;
-        pick(
-            ("nats_nkey", &mut self.nats_nkey),
-            ("nats_nkey_file", &mut self.nats_nkey_file),
-        )?;
-        pick(
-            ("nats_token", &mut self.nats_token),
-            ("nats_token_file", &mut self.nats_token_file),
-        )?;
-        pick(
-            ("nats_password", &mut self.nats_password),
-            ("nats_password_file", &mut self.nats_password_file),
-        )?;
-        let logins = [
-            self.nats_creds.is_some(),
-            self.nats_nkey.is_some(),
-            self.nats_token.is_some(),
-            self.nats_user.is_some(),
-        ];
-        if logins.iter().filter(|given| **given).count() > 1 {
-            return Err(
-                "give one NATS login: --nats-creds, --nats-nkey, --nats-token or --nats-user"
-                    .into(),
-            );
-        }
-        Ok(())
-    }
-}
-
 pub(crate) async fn run(
     outbox: &Outbox,
     database_url: &Secret,
@@ -232,43 +92,36 @@ pub(crate) async fn run(
     }
     let started = async {
         let pool = pool(outbox, database_url, no_statement_cache, &args).await?;
-        let relay = match args.broker {
+        let b = &args.broker;
+        let relay = match b.broker {
             Broker::Rabbitmq => {
-                let (Some(url), Some(exchange)) = (&args.amqp_url, &args.exchange) else {
+                let url = b.amqp_url()?;
+                let Some(exchange) = &args.exchange else {
                     return Err(Failure::new(
                         USAGE,
-                        "--broker rabbitmq needs --amqp-url (or AMQP_URL, --amqp-url-file, \
-                         AMQP_URL_FILE) and --exchange (or OUTBOX_EXCHANGE)",
+                        "--broker rabbitmq needs --exchange (or OUTBOX_EXCHANGE)",
                     ));
                 };
                 let mut publisher = RabbitMqPublisher::builder(url.expose(), exchange);
                 if let Some(timeout) = args.confirm_timeout {
                     publisher = publisher.confirm_timeout(timeout.0);
                 }
-                if let Some(tls) = tls(&args.amqp_tls_ca, &args.amqp_tls_cert, &args.amqp_tls_key) {
+                if let Some(tls) = b.amqp_tls() {
                     publisher = publisher.tls(tls);
                 }
                 let publisher = publisher.connect().await?;
                 Running::Rabbitmq(build(outbox, pool, publisher, &args)?)
             }
             Broker::Nats => {
-                let Some(url) = &args.nats_url else {
-                    return Err(Failure::new(
-                        USAGE,
-                        "--broker nats needs --nats-url (or NATS_URL, --nats-url-file, \
-                         NATS_URL_FILE)",
-                    ));
-                };
-                let mut publisher =
-                    JetStreamPublisher::builder(url.expose()).subject_prefix(&args.subject_prefix);
+                let mut publisher = JetStreamPublisher::builder(b.nats_url()?.expose())
+                    .subject_prefix(&args.subject_prefix);
                 if let Some(timeout) = args.confirm_timeout {
                     publisher = publisher.ack_timeout(timeout.0);
                 }
-                let files = tls(&args.nats_tls_ca, &args.nats_tls_cert, &args.nats_tls_key);
-                if let Some(tls) = files.or_else(|| args.nats_tls.then(Tls::new)) {
+                if let Some(tls) = b.nats_tls() {
                     publisher = publisher.tls(tls);
                 }
-                if let Some(credentials) = nats_credentials(&args) {
+                if let Some(credentials) = b.nats_credentials() {
                     publisher = publisher.credentials(credentials);
                 }
                 let publisher = publisher.connect().await?;
@@ -299,34 +152,6 @@ pub(crate) async fn run(
         Running::Nats(relay) => relay.run_until(shutdown).await?,
     }
     Ok(())
-}
-
-/// TLS settings from a CA file and a client certificate, if either is given.
-fn tls(ca: &Option<PathBuf>, cert: &Option<PathBuf>, key: &Option<PathBuf>) -> Option<Tls> {
-    let mut tls = None;
-    if let Some(ca) = ca {
-        tls = Some(Tls::new().ca_file(ca));
-    }
-    if let (Some(cert), Some(key)) = (cert, key) {
-        tls = Some(tls.unwrap_or_default().client_cert(cert, key));
-    }
-    tls
-}
-
-/// The NATS credentials of the options ([`RelayArgs::resolve`] lets at most one through).
-fn nats_credentials(args: &RelayArgs) -> Option<Credentials> {
-    if let Some(path) = &args.nats_creds {
-        return Some(Credentials::file(path));
-    }
-    if let Some(seed) = &args.nats_nkey {
-        return Some(Credentials::nkey_seed(seed.expose()));
-    }
-    if let Some(token) = &args.nats_token {
-        return Some(Credentials::token(token.expose()));
-    }
-    let user = args.nats_user.as_ref()?;
-    let password = args.nats_password.as_ref().map_or("", Secret::expose);
-    Some(Credentials::user_and_password(user, password))
 }
 
 /// A relay built for one broker or the other.

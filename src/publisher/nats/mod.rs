@@ -70,6 +70,7 @@
 mod connection;
 mod pipeline;
 mod properties;
+mod topology;
 
 use std::fmt;
 use std::time::Duration;
@@ -81,6 +82,7 @@ use tokio::sync::watch;
 pub use self::connection::Credentials;
 pub(crate) use self::connection::{Servers, connected};
 pub(crate) use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
+pub use self::topology::Topology;
 use crate::error::{Error, Result};
 use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
 use crate::tls::Tls;
@@ -209,8 +211,9 @@ impl JetStreamPublisherBuilder {
     /// credentials given both in the URL and with [`credentials`](Self::credentials), a
     /// credentials, CA, certificate or key file that is missing, unreadable or malformed
     /// (naming the file), an NKey seed that is not one (not echoed), a subject prefix
-    /// that cannot start a valid subject, or a zero ack timeout; [`Error::Publish`] when no
-    /// server answers (naming the cause, such as a certificate that does not verify).
+    /// that cannot start a valid subject, or a zero ack timeout; [`Error::NotDeclared`] when
+    /// no stream captures the subject prefix; [`Error::Publish`] when no server answers
+    /// (naming the cause, such as a certificate that does not verify).
     pub async fn connect(self) -> Result<JetStreamPublisher> {
         let servers = secured(&self.url, self.credentials.as_ref(), self.tls.as_ref())
             .map_err(Error::InvalidOption)?;
@@ -229,6 +232,13 @@ impl JetStreamPublisherBuilder {
             .await
             .map_err(|why| Error::Publish(PublishError::unavailable(why).into()))?;
         tracing::info!(endpoint = %servers.endpoint, "connected to NATS");
+        if let Ok(false) = captured(&jetstream::new(client.clone()), &self.prefix).await {
+            return Err(Error::NotDeclared(format!(
+                "no JetStream stream on NATS at {} captures subjects `{}>`: declare one \
+                 (nats::Topology, or diesel-outbox declare --broker nats) or fix the prefix",
+                servers.endpoint, self.prefix
+            )));
+        }
         Ok(JetStreamPublisher {
             endpoint: servers.endpoint,
             prefix: self.prefix,
@@ -281,6 +291,41 @@ impl Publisher for JetStreamPublisher {
     }
 }
 
+/// Whether some stream captures subjects under `prefix` (one of its subject filters starts
+/// with the prefix, or matches a subject under it); an error when the streams cannot be
+/// listed (no JetStream, or no permission to list), which is left to the outage rules.
+pub(crate) async fn captured(
+    js: &jetstream::Context,
+    prefix: &str,
+) -> std::result::Result<bool, String> {
+    use futures_util::StreamExt;
+    let sample = format!("{prefix}x");
+    let mut streams = js.streams();
+    while let Some(info) = streams.next().await {
+        let info = info.map_err(|e| e.to_string())?;
+        let covers =
+            |filter: &String| filter.starts_with(prefix) || subject_matches(filter, &sample);
+        if info.config.subjects.iter().any(covers) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// NATS's subject matching: `*` takes one token, `>` the rest (one token or more).
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut subject = subject.split('.');
+    for token in filter.split('.') {
+        match (token, subject.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (token, Some(s)) if token == s => {}
+            _ => return false,
+        }
+    }
+    subject.next().is_none()
+}
+
 /// The JetStream context: acknowledgements awaited for at most `timeout`, and no limit of
 /// the client's on how many (a batch sends all its records before it awaits any, and the
 /// relay bounds what is in flight).
@@ -289,4 +334,21 @@ fn context(client: &Client, timeout: Duration) -> jetstream::Context {
         .timeout(timeout)
         .max_ack_inflight(MAX_ACK_INFLIGHT)
         .build(client.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_matches;
+
+    #[test]
+    fn subjects_match_as_nats_matches_them() {
+        assert!(subject_matches(">", "outbox.x"));
+        assert!(subject_matches("outbox.>", "outbox.x"));
+        assert!(subject_matches("outbox.*", "outbox.x"));
+        assert!(subject_matches("*.x", "outbox.x"));
+        assert!(!subject_matches("outbox.>", "outbox"));
+        assert!(!subject_matches("other.>", "outbox.x"));
+        assert!(!subject_matches("outbox.*.y", "outbox.x"));
+        assert!(!subject_matches("outbox", "outbox.x"));
+    }
 }

@@ -178,6 +178,16 @@ pub(super) fn classify(err: &lapin::Error, text: String) -> PublishError {
     }
 }
 
+/// The broker closed the channel because what it names does not exist (an exchange or a
+/// queue: `NOT_FOUND`).
+pub(crate) fn not_found(err: &lapin::Error) -> bool {
+    matches!(
+        err.kind(),
+        ErrorKind::ProtocolError(amqp)
+            if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+    )
+}
+
 /// A channel or connection the broker closed for a reason of its own, not of a message's: a
 /// missing exchange, or a forced close as the broker shuts down.
 pub(super) fn closed_by_broker_side(err: &lapin::Error) -> bool {

@@ -65,6 +65,7 @@ mod connection;
 mod endpoint;
 mod pipeline;
 mod properties;
+mod topology;
 
 use std::fmt;
 use std::sync::Arc;
@@ -74,7 +75,9 @@ use lapin::types::ShortString;
 use tokio::sync::Mutex;
 
 use self::connection::Link;
+pub(crate) use self::connection::not_found;
 pub(crate) use self::endpoint::Endpoint;
+pub use self::topology::Topology;
 use crate::error::{Error, Result};
 use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
 use crate::tls::Tls;
@@ -196,8 +199,9 @@ impl RabbitMqPublisherBuilder {
     /// [`Error::InvalidOption`] for a malformed URL (not echoed: it may hold a password), TLS
     /// settings with an `amqp://` URL, a TLS file that is missing, unreadable or not PEM
     /// (naming the file), an exchange name over 255 bytes or a zero confirm timeout;
-    /// [`Error::Publish`] when the broker cannot be reached (naming the cause, such as a
-    /// certificate that does not verify).
+    /// [`Error::NotDeclared`] when the exchange does not exist; [`Error::Publish`] when the
+    /// broker cannot be reached (naming the cause, such as a certificate that does not
+    /// verify).
     pub async fn connect(self) -> Result<RabbitMqPublisher> {
         let endpoint = Endpoint::new(&self.url, self.tls.as_ref()).map_err(Error::InvalidOption)?;
         let exchange = ShortString::try_new(self.exchange)
@@ -220,7 +224,36 @@ impl RabbitMqPublisherBuilder {
             .channel()
             .await
             .map_err(|why| Error::Publish(why.into()))?;
-        publisher.give_back(lent.channel);
+        // The exchange must exist now: a name that is wrong is no outage to wait out.
+        // (A passive declare that fails closes its channel, which is then not given back.)
+        let exists = lent
+            .channel
+            .exchange_declare(
+                publisher.exchange.clone(),
+                lapin::ExchangeKind::Topic,
+                lapin::options::ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await;
+        match exists {
+            Ok(()) => publisher.give_back(lent.channel),
+            Err(e) if connection::not_found(&e) => {
+                return Err(Error::NotDeclared(format!(
+                    "exchange `{}` does not exist on RabbitMQ at {}: declare it \
+                     (rabbitmq::Topology, or diesel-outbox declare) or fix the name",
+                    publisher.exchange.as_str(),
+                    publisher.endpoint.name
+                )));
+            }
+            Err(e) => {
+                return Err(Error::Publish(
+                    format!("RabbitMQ at {}: {e}", publisher.endpoint.name).into(),
+                ));
+            }
+        }
         Ok(publisher)
     }
 }

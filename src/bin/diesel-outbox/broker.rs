@@ -1,0 +1,310 @@
+//! The broker side of the binary: how to reach a broker (its URL, TLS and login, shared by
+//! `relay` and `declare`), and `declare`, which creates what the relay and its consumers
+//! need there.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use diesel_outbox::nats::{self, Credentials};
+use diesel_outbox::{Tls, rabbitmq};
+
+use crate::output::Output;
+use crate::secret::{self, Secret};
+use crate::{Failure, USAGE};
+
+/// The brokers the binary talks to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Broker {
+    /// RabbitMQ: `--amqp-url` and `--exchange`.
+    Rabbitmq,
+    /// NATS JetStream: `--nats-url` and `--subject-prefix`.
+    Nats,
+}
+
+/// How to reach the broker: its URL, TLS and login, from flags, the environment or files.
+#[derive(Args)]
+pub(crate) struct BrokerArgs {
+    /// The broker.
+    #[arg(long, value_enum, default_value_t = Broker::Rabbitmq, env = "OUTBOX_BROKER")]
+    pub(crate) broker: Broker,
+    /// RabbitMQ URL (with `--broker rabbitmq`): `amqp://`, or `amqps://` for TLS
+    /// (`?auth_mechanism=external` logs in with the client certificate).
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub(crate) amqp_url: Option<Secret>,
+    /// A file holding the RabbitMQ URL, instead of `--amqp-url`.
+    #[arg(long, env = "AMQP_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    pub(crate) amqp_url_file: Option<Secret>,
+    /// A PEM file of CAs to trust for `amqps://`, besides the platform's roots.
+    #[arg(long, env = "AMQP_TLS_CA", value_name = "PATH")]
+    pub(crate) amqp_tls_ca: Option<PathBuf>,
+    /// A PEM client certificate for `amqps://` (with `--amqp-tls-key`).
+    #[arg(
+        long,
+        env = "AMQP_TLS_CERT",
+        value_name = "PATH",
+        requires = "amqp_tls_key"
+    )]
+    pub(crate) amqp_tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--amqp-tls-cert`.
+    #[arg(
+        long,
+        env = "AMQP_TLS_KEY",
+        value_name = "PATH",
+        requires = "amqp_tls_cert"
+    )]
+    pub(crate) amqp_tls_key: Option<PathBuf>,
+    /// NATS URL, or several comma-separated (with `--broker nats`); `tls://` for TLS.
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    pub(crate) nats_url: Option<Secret>,
+    /// A file holding the NATS URL, instead of `--nats-url`.
+    #[arg(long, env = "NATS_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    pub(crate) nats_url_file: Option<Secret>,
+    /// Connect to NATS over TLS, verified against the platform's roots (and
+    /// `--nats-tls-ca`), whatever the URL says.
+    #[arg(long, env = "NATS_TLS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) nats_tls: bool,
+    /// A PEM file of CAs to trust for NATS, besides the platform's roots (implies
+    /// `--nats-tls`).
+    #[arg(long, env = "NATS_TLS_CA", value_name = "PATH")]
+    pub(crate) nats_tls_ca: Option<PathBuf>,
+    /// A PEM client certificate for NATS (with `--nats-tls-key`; implies `--nats-tls`).
+    #[arg(
+        long,
+        env = "NATS_TLS_CERT",
+        value_name = "PATH",
+        requires = "nats_tls_key"
+    )]
+    pub(crate) nats_tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--nats-tls-cert`.
+    #[arg(
+        long,
+        env = "NATS_TLS_KEY",
+        value_name = "PATH",
+        requires = "nats_tls_cert"
+    )]
+    pub(crate) nats_tls_key: Option<PathBuf>,
+    /// A NATS credentials file (`.creds`: a user JWT and its NKey seed).
+    #[arg(long, env = "NATS_CREDS", value_name = "PATH")]
+    pub(crate) nats_creds: Option<PathBuf>,
+    /// An NKey seed to log in to NATS with.
+    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
+    pub(crate) nats_nkey: Option<Secret>,
+    /// A file holding the NKey seed, instead of `--nats-nkey`.
+    #[arg(long, env = "NATS_NKEY_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    pub(crate) nats_nkey_file: Option<Secret>,
+    /// A token to log in to NATS with.
+    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
+    pub(crate) nats_token: Option<Secret>,
+    /// A file holding the token, instead of `--nats-token`.
+    #[arg(long, env = "NATS_TOKEN_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    pub(crate) nats_token_file: Option<Secret>,
+    /// A user to log in to NATS as (with `--nats-password` or `--nats-password-file`).
+    #[arg(long, env = "NATS_USER")]
+    pub(crate) nats_user: Option<String>,
+    /// The password of `--nats-user`.
+    #[arg(
+        long,
+        env = "NATS_PASSWORD",
+        hide_env_values = true,
+        requires = "nats_user"
+    )]
+    pub(crate) nats_password: Option<Secret>,
+    /// A file holding the password of `--nats-user`, instead of `--nats-password`.
+    #[arg(long, env = "NATS_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "nats_user")]
+    pub(crate) nats_password_file: Option<Secret>,
+}
+
+impl BrokerArgs {
+    /// Each secret given both as a value and as a file, settled (see [`secret::pick`]).
+    pub(crate) fn resolve(&mut self, matches: &clap::ArgMatches) -> Result<(), String> {
+        let pick = |value: (&str, &mut Option<Secret>), file: (&str, &mut Option<Secret>)| {
+            let chosen = secret::pick(matches, (value.0, value.1.take()), (file.0, file.1.take()))?;
+            *value.1 = chosen;
+            Ok::<_, String>(())
+        };
+        pick(
+            ("amqp_url", &mut self.amqp_url),
+            ("amqp_url_file", &mut self.amqp_url_file),
+        )?;
+        pick(
+            ("nats_url", &mut self.nats_url),
+            ("nats_url_file", &mut self.nats_url_file),
+        )?;
+        pick(
+            ("nats_nkey", &mut self.nats_nkey),
+            ("nats_nkey_file", &mut self.nats_nkey_file),
+        )?;
+        pick(
+            ("nats_token", &mut self.nats_token),
+            ("nats_token_file", &mut self.nats_token_file),
+        )?;
+        pick(
+            ("nats_password", &mut self.nats_password),
+            ("nats_password_file", &mut self.nats_password_file),
+        )?;
+        let logins = [
+            self.nats_creds.is_some(),
+            self.nats_nkey.is_some(),
+            self.nats_token.is_some(),
+            self.nats_user.is_some(),
+        ];
+        if logins.iter().filter(|given| **given).count() > 1 {
+            return Err(
+                "give one NATS login: --nats-creds, --nats-nkey, --nats-token or --nats-user"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl BrokerArgs {
+    /// The RabbitMQ URL, or a usage error saying how to give one.
+    pub(crate) fn amqp_url(&self) -> Result<&Secret, Failure> {
+        self.amqp_url.as_ref().ok_or_else(|| {
+            Failure::new(
+                USAGE,
+                "RabbitMQ needs --amqp-url (or AMQP_URL, --amqp-url-file, AMQP_URL_FILE)",
+            )
+        })
+    }
+
+    /// The NATS URL, or a usage error saying how to give one.
+    pub(crate) fn nats_url(&self) -> Result<&Secret, Failure> {
+        self.nats_url.as_ref().ok_or_else(|| {
+            Failure::new(
+                USAGE,
+                "NATS needs --nats-url (or NATS_URL, --nats-url-file, NATS_URL_FILE)",
+            )
+        })
+    }
+
+    /// RabbitMQ's TLS settings, if any file is given.
+    pub(crate) fn amqp_tls(&self) -> Option<Tls> {
+        tls(&self.amqp_tls_ca, &self.amqp_tls_cert, &self.amqp_tls_key)
+    }
+
+    /// NATS's TLS settings: given files, or `--nats-tls` alone.
+    pub(crate) fn nats_tls(&self) -> Option<Tls> {
+        tls(&self.nats_tls_ca, &self.nats_tls_cert, &self.nats_tls_key)
+            .or_else(|| self.nats_tls.then(Tls::new))
+    }
+
+    /// The NATS credentials of the options ([`BrokerArgs::resolve`] lets at most one
+    /// through).
+    pub(crate) fn nats_credentials(&self) -> Option<Credentials> {
+        if let Some(path) = &self.nats_creds {
+            return Some(Credentials::file(path));
+        }
+        if let Some(seed) = &self.nats_nkey {
+            return Some(Credentials::nkey_seed(seed.expose()));
+        }
+        if let Some(token) = &self.nats_token {
+            return Some(Credentials::token(token.expose()));
+        }
+        let user = self.nats_user.as_ref()?;
+        let password = self.nats_password.as_ref().map_or("", Secret::expose);
+        Some(Credentials::user_and_password(user, password))
+    }
+}
+
+/// TLS settings from a CA file and a client certificate, if either is given.
+fn tls(ca: &Option<PathBuf>, cert: &Option<PathBuf>, key: &Option<PathBuf>) -> Option<Tls> {
+    let mut tls = None;
+    if let Some(ca) = ca {
+        tls = Some(Tls::new().ca_file(ca));
+    }
+    if let (Some(cert), Some(key)) = (cert, key) {
+        tls = Some(tls.unwrap_or_default().client_cert(cert, key));
+    }
+    tls
+}
+
+/// `declare`: what a relay publishes to and its consumers consume from.
+#[derive(Args)]
+pub(crate) struct DeclareArgs {
+    #[command(flatten)]
+    pub(crate) broker: BrokerArgs,
+    /// RabbitMQ: the topic exchange the relay publishes to.
+    #[arg(long, env = "OUTBOX_EXCHANGE")]
+    exchange: Option<String>,
+    /// RabbitMQ: a queue for a consumer, bound to the exchange (repeatable), with a
+    /// dead-letter exchange and queue `<queue>.dead`.
+    #[arg(long)]
+    queue: Vec<String>,
+    /// RabbitMQ: the routing key pattern that binds the queues (`#`: every topic).
+    #[arg(long, default_value = "#")]
+    binding: String,
+    /// RabbitMQ: queues without dead-letter exchanges and queues.
+    #[arg(long)]
+    without_dead_letters: bool,
+    /// NATS: the stream that captures the relay's subjects.
+    #[arg(long)]
+    stream: Option<String>,
+    /// NATS: the relay's subject prefix (ending with a dot); the stream captures
+    /// `<prefix>>`.
+    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX")]
+    subject_prefix: Option<String>,
+    /// NATS: a durable pull consumer of the stream for a consumer (repeatable).
+    #[arg(long)]
+    durable: Vec<String>,
+}
+
+/// Declares the topology on the broker, idempotently.
+pub(crate) async fn declare(args: DeclareArgs, out: &mut Output<'_>) -> Result<(), Failure> {
+    let b = &args.broker;
+    let declared = match b.broker {
+        Broker::Rabbitmq => {
+            let Some(exchange) = &args.exchange else {
+                return Err(Failure::new(
+                    USAGE,
+                    "declare --broker rabbitmq needs --exchange",
+                ));
+            };
+            let mut topology = rabbitmq::Topology::exchange(exchange);
+            for queue in &args.queue {
+                topology = topology.queue(queue, &args.binding);
+            }
+            if args.without_dead_letters {
+                topology = topology.without_dead_letters();
+            }
+            if let Some(tls) = b.amqp_tls() {
+                topology = topology.tls(tls);
+            }
+            topology.declare(b.amqp_url()?.expose()).await?;
+            let mut names = vec![format!("exchange {exchange}")];
+            for queue in &args.queue {
+                names.push(format!("queue {queue} (binding {})", args.binding));
+                if !args.without_dead_letters {
+                    names.push(format!("dead letters {queue}.dead"));
+                }
+            }
+            names
+        }
+        Broker::Nats => {
+            let (Some(stream), Some(prefix)) = (&args.stream, &args.subject_prefix) else {
+                return Err(Failure::new(
+                    USAGE,
+                    "declare --broker nats needs --stream and --subject-prefix",
+                ));
+            };
+            let mut topology = nats::Topology::stream(stream, prefix);
+            for durable in &args.durable {
+                topology = topology.durable(durable);
+            }
+            if let Some(tls) = b.nats_tls() {
+                topology = topology.tls(tls);
+            }
+            if let Some(credentials) = b.nats_credentials() {
+                topology = topology.credentials(credentials);
+            }
+            topology.declare(b.nats_url()?.expose()).await?;
+            let mut names = vec![format!("stream {stream} ({prefix}>)")];
+            names.extend(args.durable.iter().map(|d| format!("durable consumer {d}")));
+            names
+        }
+    };
+    out.print(serde_json::json!({ "declared": declared }), || {
+        format!("declared (or found as they were): {}", declared.join(", "))
+    })
+}
