@@ -257,5 +257,6 @@ pub use crate::publisher::{
 };
 pub use crate::relay::{PgPool, Relay, RelayBuilder};
 pub use crate::schema::harness::{MIGRATIONS, OutboxMigrations};
+pub use crate::schema::migrate::MigrationFiles;
 pub use crate::sql::WAKE_LOCK_CLASS;
 pub use crate::tls::Tls;

@@ -45,7 +45,7 @@
 // runner, and the same schema as diesel migrations.
 pub(crate) mod ddl;
 pub(crate) mod harness;
-mod migrate;
+pub(crate) mod migrate;
 
 diesel::table! {
     /// The outbox: one row per message.

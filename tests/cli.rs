@@ -272,28 +272,51 @@ async fn purge_and_sql_work_and_a_negative_age_is_a_usage_error() {
     let printed = stdout(&cli("shop.orders_outbox", &["sql"]));
     assert!(printed.contains("CREATE TABLE IF NOT EXISTS \"shop\".\"orders_outbox\""));
     let dir = std::env::temp_dir().join(common::unique("migrations"));
-    stdout(&cli(
-        "orders_outbox",
-        &["sql", "--dir", dir.to_str().unwrap()],
-    ));
-    let mut folders: Vec<_> = std::fs::read_dir(&dir)
+    let write = |table: &str| {
+        stdout(&cli(table, &["sql", "--dir", dir.to_str().unwrap()]));
+        let mut folders: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        folders.sort();
+        folders
+    };
+    // The default table: the crate's own `migrations/` folders, byte for byte.
+    let folders = write("outbox");
+    let mut ours: Vec<_> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
         .unwrap()
-        .map(|e| e.unwrap().path())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    folders.sort();
+    ours.sort();
+    assert_eq!(folders, ours);
+    // Again: nothing changes, no second set.
+    assert_eq!(write("outbox"), ours);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let folders = write("orders_outbox");
     let rendered = Outbox::builder()
         .table("orders_outbox")
         .build()
         .unwrap()
         .diesel_migrations();
     assert_eq!(folders.len(), rendered.len(), "one folder per version");
-    for (folder, (up, down)) in folders.iter().zip(&rendered) {
-        assert_eq!(std::fs::read_to_string(folder.join("up.sql")).unwrap(), *up);
+    for (folder, m) in folders.iter().zip(&rendered) {
+        assert_eq!(*folder, m.folder);
+        let path = dir.join(folder);
+        assert_eq!(std::fs::read_to_string(path.join("up.sql")).unwrap(), m.up);
         assert_eq!(
-            std::fs::read_to_string(folder.join("down.sql")).unwrap(),
-            *down
+            std::fs::read_to_string(path.join("down.sql")).unwrap(),
+            m.down
         );
     }
+    // A folder of that name with other content is left alone, and named.
+    std::fs::write(dir.join(&rendered[0].folder).join("up.sql"), "-- edited").unwrap();
+    let refused = cli("orders_outbox", &["sql", "--dir", dir.to_str().unwrap()]);
+    assert_eq!(refused.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains(&rendered[0].folder) && err.contains("exists with other content"),
+        "{err}"
+    );
     let only = dir.join("only");
     stdout(&cli(
         "orders_outbox",

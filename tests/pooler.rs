@@ -44,15 +44,17 @@ fn binary() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(PGBOUNCER))
 }
 
-/// False (after saying why on stderr) on a machine whose PostgreSQL runs in a container and
-/// that has no PgBouncer: such a machine needs nothing installed for the tests. Elsewhere a
-/// missing PgBouncer fails the test.
+/// False (after saying why on stderr) on a machine without PgBouncer, outside CI (see
+/// `services::needs`).
 fn runnable(test: &str) -> bool {
-    if !binary().exists() && common::services::in_docker(common::services::Service::Postgres) {
-        eprintln!("{test}: skipped: PostgreSQL runs in a container and PgBouncer is not installed");
-        return false;
-    }
-    true
+    let missing = (!binary().exists()).then(|| {
+        format!(
+            "{} is missing: install PgBouncer (Debian: `apt-get install -y pgbouncer`; \
+             .ci/run does it), or set PGBOUNCER to its path",
+            binary().display()
+        )
+    });
+    common::services::needs(test, missing)
 }
 
 impl PgBouncer {

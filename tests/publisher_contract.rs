@@ -28,6 +28,10 @@ struct Got {
 
 trait Harness: Sized {
     type P: Publisher + Debug;
+    /// What this machine lacks for the harness, if anything (see `services::needs`).
+    fn missing() -> Option<String> {
+        None
+    }
     /// What a harness of this broker keeps of a key published twice: RabbitMQ delivers
     /// both (at least once), JetStream stores one (its duplicate window), the closure gets
     /// both calls.
@@ -183,26 +187,56 @@ macro_rules! contract {
 
             #[tokio::test]
             async fn properties_and_headers_arrive() {
+                if !common::services::needs(
+                    stringify!(properties_and_headers_arrive),
+                    <$harness as Harness>::missing(),
+                ) {
+                    return;
+                }
                 super::properties_and_headers_arrive::<$harness>().await;
             }
 
             #[tokio::test]
             async fn a_batch_gives_each_record_its_own_result() {
+                if !common::services::needs(
+                    stringify!(a_batch_gives_each_record_its_own_result),
+                    <$harness as Harness>::missing(),
+                ) {
+                    return;
+                }
                 super::a_batch_gives_each_record_its_own_result::<$harness>().await;
             }
 
             #[tokio::test]
             async fn an_outage_is_reported_as_one() {
+                if !common::services::needs(
+                    stringify!(an_outage_is_reported_as_one),
+                    <$harness as Harness>::missing(),
+                ) {
+                    return;
+                }
                 super::an_outage_is_reported_as_one::<$harness>().await;
             }
 
             #[tokio::test]
             async fn a_duplicate_is_handled_as_the_broker_promises() {
+                if !common::services::needs(
+                    stringify!(a_duplicate_is_handled_as_the_broker_promises),
+                    <$harness as Harness>::missing(),
+                ) {
+                    return;
+                }
                 super::a_duplicate_is_handled_as_the_broker_promises::<$harness>().await;
             }
 
             #[tokio::test]
             async fn no_secret_is_shown() {
+                if !common::services::needs(
+                    stringify!(no_secret_is_shown),
+                    <$harness as Harness>::missing(),
+                ) {
+                    return;
+                }
                 super::no_secret_is_shown::<$harness>().await;
             }
         }
@@ -317,6 +351,10 @@ mod rabbit {
 
     /// How the harness's publishers reach the broker.
     pub(super) trait Transport: Send + Sync + 'static {
+        /// What this machine lacks for it, if anything.
+        fn missing() -> Option<String> {
+            None
+        }
         /// The broker's URL, with `s3cret` as the password when `secret`.
         fn url(secret: bool) -> String;
         fn builder(url: String, exchange: &str) -> RabbitMqPublisherBuilder;
@@ -343,6 +381,10 @@ mod rabbit {
     pub(super) struct OverTls;
 
     impl Transport for OverTls {
+        fn missing() -> Option<String> {
+            Amqps::missing()
+        }
+
         fn url(secret: bool) -> String {
             let url = Amqps::local().url;
             if secret {
@@ -395,6 +437,10 @@ mod rabbit {
     impl<T: Transport> Harness for RabbitHarness<T> {
         type P = RabbitMqPublisher;
         const DUPLICATES_KEPT: usize = 2;
+
+        fn missing() -> Option<String> {
+            T::missing()
+        }
 
         async fn new() -> Self {
             let broker = TestBroker::new("ok.#").await;
@@ -470,6 +516,10 @@ mod jetstream {
 
     /// Where the harness's stream lives and how its publishers reach it.
     pub(super) trait Transport: Send + Sync + 'static {
+        /// What this machine lacks for it, if anything.
+        fn missing() -> Option<String> {
+            None
+        }
         /// A server of the harness's own, if it needs one.
         fn server() -> Option<TlsNats>;
         /// A builder for `server`'s URL (or the shared server's), with `s3cret` as a
@@ -498,6 +548,10 @@ mod jetstream {
     pub(super) struct OverTls;
 
     impl Transport for OverTls {
+        fn missing() -> Option<String> {
+            TlsNats::missing()
+        }
+
         fn server() -> Option<TlsNats> {
             Some(TlsNats::start())
         }
@@ -556,6 +610,10 @@ mod jetstream {
     impl<T: Transport> Harness for NatsHarness<T> {
         type P = JetStreamPublisher;
         const DUPLICATES_KEPT: usize = 1;
+
+        fn missing() -> Option<String> {
+            T::missing()
+        }
 
         async fn new() -> Self {
             let tune = |mut config: async_nats::jetstream::stream::Config| {

@@ -154,19 +154,24 @@ fn migrations_folder_equals_the_rendered_default() {
         rendered.len(),
         "one migration per schema version: {folders:?}"
     );
-    for (folder, (up, down)) in folders.iter().zip(&rendered) {
+    for (folder, m) in folders.iter().zip(&rendered) {
         let read = |name: &str| std::fs::read_to_string(folder.join(name)).unwrap();
         if std::env::var_os("OUTBOX_WRITE_MIGRATIONS").is_some() {
-            std::fs::write(folder.join("up.sql"), up).unwrap();
-            std::fs::write(folder.join("down.sql"), down).unwrap();
+            std::fs::write(folder.join("up.sql"), &m.up).unwrap();
+            std::fs::write(folder.join("down.sql"), &m.down).unwrap();
         }
         assert_eq!(
+            folder.file_name().unwrap().to_string_lossy(),
+            m.folder,
+            "the folder's name"
+        );
+        assert_eq!(
             read("up.sql"),
-            *up,
+            m.up,
             "{folder:?} differs from Outbox::new().diesel_migrations(): rerun this test with \
              OUTBOX_WRITE_MIGRATIONS=1"
         );
-        assert_eq!(read("down.sql"), *down, "{folder:?}");
+        assert_eq!(read("down.sql"), m.down, "{folder:?}");
     }
 }
 
@@ -180,8 +185,8 @@ async fn migrate_upgrades_a_table_left_at_version_one() {
         .table(schema.table("old"))
         .build()
         .unwrap();
-    let (v1, _) = outbox.diesel_migrations().remove(0);
-    conn.batch_execute(&v1).await.unwrap();
+    let v1 = outbox.diesel_migrations().remove(0);
+    conn.batch_execute(&v1.up).await.unwrap();
     let migrations_table = format!("{}_migrations", outbox.table());
     assert_eq!(versions(&mut conn, &migrations_table).await, vec![1]);
     outbox.migrate(&mut conn).await.unwrap();
@@ -190,8 +195,8 @@ async fn migrate_upgrades_a_table_left_at_version_one() {
     assert_eq!(stats.blocked_for, None);
     assert_eq!(fillfactor(&mut conn, outbox.table()).await, "fillfactor=50");
     // And every version's down.sql takes it back, newest first.
-    for (_, down) in outbox.diesel_migrations().iter().rev() {
-        conn.batch_execute(down).await.unwrap();
+    for m in outbox.diesel_migrations().iter().rev() {
+        conn.batch_execute(&m.down).await.unwrap();
     }
     assert!(!table_exists(&mut conn, outbox.table()).await);
 }

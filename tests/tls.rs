@@ -141,6 +141,12 @@ async fn encrypted(conn: &mut AsyncPgConnection) -> bool {
 /// `pg_stat_ssl` shows; and a message goes through.
 #[tokio::test]
 async fn verify_full_encrypts_every_connection_of_a_relay_listen_included() {
+    if !common::services::needs(
+        "verify_full_encrypts_every_connection_of_a_relay_listen_included",
+        common::cluster::missing(),
+    ) {
+        return;
+    }
     let pg = TlsPostgres::start();
     let app = "outbox_tls_relay";
     let url = pg.verified(&format!("&application_name={app}"));
@@ -186,6 +192,12 @@ async fn verify_full_encrypts_every_connection_of_a_relay_listen_included() {
 /// encrypted; with `sslmode=disable` the same role is refused, and the error says so.
 #[tokio::test]
 async fn the_binary_works_as_a_role_admitted_over_tls_only() {
+    if !common::services::needs(
+        "the_binary_works_as_a_role_admitted_over_tls_only",
+        common::cluster::missing(),
+    ) {
+        return;
+    }
     let pg = TlsPostgres::start();
     let app = "outbox_tls_cli";
     let url = pg.verified(&format!("&application_name={app}"));
@@ -254,6 +266,9 @@ async fn the_binary_works_as_a_role_admitted_over_tls_only() {
 /// without a CA, and `require` against a server without TLS. The password never shows.
 #[tokio::test]
 async fn bad_tls_input_names_the_cause() {
+    if !common::services::needs("bad_tls_input_names_the_cause", common::cluster::missing()) {
+        return;
+    }
     let pg = TlsPostgres::start();
     let fails = async |url: String| -> String {
         match diesel_outbox::establish(&url).await {
@@ -321,6 +336,9 @@ async fn bad_tls_input_names_the_cause() {
 /// `sslcert` and `sslkey` log in a role that `pg_hba.conf` admits by certificate only.
 #[tokio::test]
 async fn a_client_certificate_logs_in() {
+    if !common::services::needs("a_client_certificate_logs_in", common::cluster::missing()) {
+        return;
+    }
     let pg = TlsPostgres::start();
     let with_cert = format!(
         "sslmode=verify-full&sslrootcert={}&sslcert={}&sslkey={}",
@@ -354,6 +372,12 @@ async fn a_client_certificate_logs_in() {
 /// closed, the second (the server) is verified under its own name.
 #[tokio::test]
 async fn tls_holds_without_the_statement_cache_and_across_hosts() {
+    if !common::services::needs(
+        "tls_holds_without_the_statement_cache_and_across_hosts",
+        common::cluster::missing(),
+    ) {
+        return;
+    }
     let pg = TlsPostgres::start();
     let [closed] = free_ports();
     let url = format!(
@@ -415,6 +439,12 @@ async fn wait_handled(handled: &Handled, keys: &[&str]) {
 /// consumes, and the broker lists both connections as TLS.
 #[tokio::test]
 async fn rabbitmq_publishes_and_consumes_over_tls() {
+    if !common::services::needs(
+        "rabbitmq_publishes_and_consumes_over_tls",
+        common::broker::Amqps::missing(),
+    ) {
+        return;
+    }
     use diesel_outbox::consumer::rabbitmq;
     use diesel_outbox::rabbitmq::RabbitMqPublisher;
     let amqps = common::broker::Amqps::local();
@@ -449,6 +479,12 @@ async fn rabbitmq_publishes_and_consumes_over_tls() {
 /// user of its common name.
 #[tokio::test]
 async fn rabbitmq_logs_in_with_a_client_certificate() {
+    if !common::services::needs(
+        "rabbitmq_logs_in_with_a_client_certificate",
+        common::broker::Amqps::missing(),
+    ) {
+        return;
+    }
     use diesel_outbox::rabbitmq::RabbitMqPublisher;
     let amqps = common::broker::Amqps::local();
     let broker = common::broker::TestBroker::new("#").await;
@@ -485,6 +521,12 @@ async fn rabbitmq_logs_in_with_a_client_certificate() {
 /// settings for an `amqp://` URL: each fails with its cause, never the password.
 #[tokio::test]
 async fn rabbitmq_tls_mistakes_name_their_cause() {
+    if !common::services::needs(
+        "rabbitmq_tls_mistakes_name_their_cause",
+        common::broker::Amqps::missing(),
+    ) {
+        return;
+    }
     use diesel_outbox::rabbitmq::RabbitMqPublisher;
     let amqps = common::broker::Amqps::local();
     let dir = tempdir();
@@ -545,6 +587,12 @@ fn tempdir() -> PathBuf {
 /// server's `/connz` shows both connections with their TLS version.
 #[tokio::test]
 async fn nats_publishes_dedupes_and_consumes_over_tls_with_an_nkey() {
+    if !common::services::needs(
+        "nats_publishes_dedupes_and_consumes_over_tls_with_an_nkey",
+        common::nats::TlsNats::missing(),
+    ) {
+        return;
+    }
     use diesel_outbox::consumer::nats::Source;
     use diesel_outbox::nats::{Credentials, JetStreamPublisher};
     let nats = common::nats::TlsNats::start();
@@ -588,6 +636,12 @@ async fn nats_publishes_dedupes_and_consumes_over_tls_with_an_nkey() {
 /// not one, and credentials given twice: each fails with its cause, never the secret.
 #[tokio::test]
 async fn nats_tls_and_credential_mistakes_name_their_cause() {
+    if !common::services::needs(
+        "nats_tls_and_credential_mistakes_name_their_cause",
+        common::nats::TlsNats::missing(),
+    ) {
+        return;
+    }
     use diesel_outbox::Error;
     use diesel_outbox::nats::{Credentials, JetStreamPublisher};
     let nats = common::nats::TlsNats::start();
@@ -650,6 +704,12 @@ async fn nats_tls_and_credential_mistakes_name_their_cause() {
 /// relays to the TLS server, and the seed never reaches its logs, even at trace.
 #[tokio::test]
 async fn the_binary_relays_to_nats_over_tls_with_its_seed_from_a_file() {
+    if !common::services::needs(
+        "the_binary_relays_to_nats_over_tls_with_its_seed_from_a_file",
+        common::nats::TlsNats::missing(),
+    ) {
+        return;
+    }
     let nats = common::nats::TlsNats::start();
     let js = nats.stream("CLI", "cli.", "cli").await;
     let schema = common::TestSchema::new().await;

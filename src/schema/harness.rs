@@ -47,23 +47,51 @@ impl Outbox {
     /// # Ok(()) }
     /// ```
     pub fn migrations(&self) -> OutboxMigrations {
-        let default = self.table() == crate::defaults::TABLE;
-        let suffix = if default {
-            String::new()
-        } else {
-            format!("_{:08x}", fnv1a(self.table()))
-        };
         let versions = (1..)
-            .zip(VERSION_STAMPS)
             .zip(self.diesel_migrations())
-            .map(|((number, stamp), (up, down))| DieselMigration {
-                version: format!("{stamp}{suffix}"),
-                name: format!("{stamp}{suffix}_{}_v{number}", self.table()),
-                up,
-                down,
+            .map(|(number, files)| DieselMigration {
+                version: self.diesel_version(number),
+                name: format!("{}_{}_v{number}", self.diesel_version(number), self.table()),
+                up: files.up,
+                down: files.down,
             })
             .collect();
         OutboxMigrations { versions }
+    }
+
+    /// What the name of a table other than the default adds to its versions.
+    fn version_suffix(&self) -> String {
+        if self.table() == crate::defaults::TABLE {
+            String::new()
+        } else {
+            format!("{:08x}", fnv1a(self.table()))
+        }
+    }
+
+    /// The version diesel records for schema version `number` of this table.
+    fn diesel_version(&self, number: usize) -> String {
+        format!("{}{}", VERSION_STAMPS[number - 1], self.version_suffix())
+    }
+
+    /// The diesel CLI folder of schema version `number`: the version as the CLI writes it
+    /// (`YYYY-MM-DD-HHMMSS`, then the suffix), and what it does.
+    pub(crate) fn diesel_folder(&self, number: usize) -> String {
+        let stamp = VERSION_STAMPS[number - 1];
+        let suffix = self.version_suffix();
+        let version = format!(
+            "{}-{}-{}-{}{}{suffix}",
+            &stamp[0..4],
+            &stamp[4..6],
+            &stamp[6..8],
+            &stamp[8..14],
+            if suffix.is_empty() { "" } else { "-" },
+        );
+        let table = self.table().replace('.', "_");
+        if number == 1 {
+            format!("{version}_create_{table}")
+        } else {
+            format!("{version}_{table}_v{number}")
+        }
     }
 }
 

@@ -99,14 +99,18 @@ impl Outbox {
         ]
     }
 
-    /// The diesel CLI migrations of this table, one `(up.sql, down.sql)` per schema version,
-    /// oldest first. The crate's own `migrations/` folder holds these for the default table;
-    /// `diesel-outbox sql --dir` writes them for any table. The first also creates the
-    /// version table (and the schema of a `schema.name` table); each records its version
-    /// there, so [`Outbox::migrate`] afterwards finds nothing to do.
-    pub fn diesel_migrations(&self) -> Vec<(String, String)> {
+    /// The diesel CLI migrations of this table, one per schema version, oldest first: each
+    /// its folder's name and its `up.sql` and `down.sql`. The crate's own `migrations/`
+    /// folder holds these for the default table (the same names); `diesel-outbox sql --dir`
+    /// writes them for any table. The folders carry the crate's fixed version stamps (for
+    /// a table other than the default, with a suffix derived from its name, so that two
+    /// outbox tables of one app do not collide), the versions [`Outbox::migrations`] records
+    /// too. The first also creates the version table (and the schema of a `schema.name`
+    /// table); each records its version there, so [`Outbox::migrate`] afterwards finds
+    /// nothing to do.
+    pub fn diesel_migrations(&self) -> Vec<MigrationFiles> {
         let sql = &self.statements().ddl;
-        (1..)
+        (1i32..)
             .zip(&sql.migrations)
             .map(|(version, migration)| {
                 let mut up = Vec::new();
@@ -123,10 +127,26 @@ impl Outbox {
                         self.inner.table.quoted_with("_migrations")
                     ));
                 }
-                (sql_file(&up), sql_file(&down))
+                MigrationFiles {
+                    folder: self.diesel_folder(usize::try_from(version).unwrap_or(1)),
+                    up: sql_file(&up),
+                    down: sql_file(&down),
+                }
             })
             .collect()
     }
+}
+
+/// One diesel CLI migration of an outbox table, from [`Outbox::diesel_migrations`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationFiles {
+    /// The folder's name, such as `2026-11-30-000000_create_outbox`.
+    pub folder: String,
+    /// `up.sql`.
+    pub up: String,
+    /// `down.sql`.
+    pub down: String,
 }
 
 fn sql_file(statements: &[String]) -> String {

@@ -331,6 +331,21 @@ pub struct Amqps {
 }
 
 impl Amqps {
+    /// What this machine lacks for the TLS tests of RabbitMQ, if anything.
+    pub fn missing() -> Option<String> {
+        let dir =
+            std::env::var("AMQPS_TLS_DIR").unwrap_or_else(|_| "/etc/rabbitmq/outbox-tls".into());
+        let on = std::path::Path::new(&dir).join("ca.pem").exists()
+            && std::net::TcpStream::connect("127.0.0.1:5671").is_ok();
+        (!on).then(|| {
+            format!(
+                "RabbitMQ's TLS listener is not on 127.0.0.1:5671 with its certificates in \
+                 {dir}: run .ci/rabbitmq-tls (as .ci/run does), or set AMQPS_URL and \
+                 AMQPS_TLS_DIR"
+            )
+        })
+    }
+
     pub fn local() -> Amqps {
         let url = std::env::var("AMQPS_URL")
             .unwrap_or_else(|_| "amqps://guest:guest@localhost:5671/%2f".to_owned());

@@ -204,8 +204,16 @@ pub fn free_ports<const N: usize>() -> [u16; N] {
     listeners.map(|l| l.local_addr().unwrap().port())
 }
 
-/// The newest installed PostgreSQL server's programs (Debian keeps them out of `PATH`).
-fn server_bin() -> PathBuf {
+/// What this machine lacks to run PostgreSQL servers of a test's own, if anything.
+pub fn missing() -> Option<String> {
+    newest_bin().is_none().then(|| {
+        "PostgreSQL's server programs (initdb, pg_ctl, pg_basebackup) are not under \
+         /usr/lib/postgresql/<version>/bin: apt-get install -y postgresql"
+            .to_owned()
+    })
+}
+
+fn newest_bin() -> Option<PathBuf> {
     let root = Path::new("/usr/lib/postgresql");
     let newest = std::fs::read_dir(root)
         .ok()
@@ -213,16 +221,14 @@ fn server_bin() -> PathBuf {
         .flatten()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .max();
-    let bin = newest.map(|v| root.join(v.to_string()).join("bin"));
-    match bin {
-        Some(bin) if bin.join("pg_basebackup").exists() => bin,
-        _ => panic!(
-            "this test runs PostgreSQL servers of its own and needs the server's programs \
-             (initdb, pg_ctl, pg_basebackup) under /usr/lib/postgresql/<version>/bin: \
-             apt-get install postgresql"
-        ),
-    }
+        .max()?;
+    let bin = root.join(newest.to_string()).join("bin");
+    bin.join("pg_basebackup").exists().then_some(bin)
+}
+
+/// The newest installed PostgreSQL server's programs (Debian keeps them out of `PATH`).
+fn server_bin() -> PathBuf {
+    newest_bin().unwrap_or_else(|| panic!("{}", missing().unwrap_or_default()))
 }
 
 fn running_as_root() -> bool {

@@ -169,6 +169,12 @@ pub struct TlsNats {
 }
 
 impl TlsNats {
+    /// What this machine lacks to start a nats-server of a test's own, if anything.
+    pub fn missing() -> Option<String> {
+        (!std::path::Path::new("/usr/sbin/nats-server").exists())
+            .then(|| "/usr/sbin/nats-server is missing: apt-get install -y nats-server".to_owned())
+    }
+
     pub fn start() -> TlsNats {
         let dir = std::env::temp_dir().join(super::unique("outbox_tls_nats"));
         std::fs::create_dir_all(dir.join("js")).unwrap();

@@ -244,6 +244,22 @@ pub fn in_docker(service: Service) -> bool {
 
 /// True, or false after saying on stderr why `test` is skipped, when any service it
 /// drives with the local servers' own tools runs in a container.
+/// Whether `test` can run: `missing` says what this machine lacks for it (a program, and how
+/// to install it), if anything. Then the test is skipped, saying so on stderr, except under
+/// `CI=true`, where `.ci/run` installs everything and a skip would hide a failure: there it
+/// fails.
+pub fn needs(test: &str, missing: Option<String>) -> bool {
+    let Some(missing) = missing else {
+        return true;
+    };
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test}: {missing} (under CI=true no test is skipped)"
+    );
+    eprintln!("{test}: skipped: {missing}");
+    false
+}
+
 pub fn local_tools_for(test: &str, services: &[Service]) -> bool {
     match services.iter().find(|s| in_docker(**s)) {
         None => true,

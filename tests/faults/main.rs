@@ -80,7 +80,9 @@ async fn fault_suite_ci_tier_nats() {
 /// bound, order kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fault_suite_failover_ci_tier() {
-    if !local_tools("fault_suite_failover_ci_tier", Kind::RabbitMq) {
+    if !local_tools("fault_suite_failover_ci_tier", Kind::RabbitMq)
+        || !common::services::needs("fault_suite_failover_ci_tier", common::cluster::missing())
+    {
         return;
     }
     let _serial = SERIAL.lock().await;
@@ -144,7 +146,9 @@ async fn fault_suite_long_tier_nats() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "long tier (about 6 minutes): cargo test --release --all-features --test faults -- --ignored"]
 async fn fault_suite_long_tier_failover() {
-    if !local_tools("fault_suite_long_tier_failover", Kind::RabbitMq) {
+    if !local_tools("fault_suite_long_tier_failover", Kind::RabbitMq)
+        || !common::services::needs("fault_suite_long_tier_failover", common::cluster::missing())
+    {
         return;
     }
     let _serial = SERIAL.lock().await;

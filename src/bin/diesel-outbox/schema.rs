@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use diesel_async::AsyncPgConnection;
-use diesel_outbox::Outbox;
+use diesel_outbox::{MigrationFiles, Outbox};
 use serde_json::json;
 
 use crate::output::Output;
@@ -12,8 +12,8 @@ use crate::{Failure, USAGE};
 
 #[derive(Args)]
 pub(crate) struct SqlArgs {
-    /// Write one `<DIR>/<timestamp>_<name>/{up,down}.sql` per schema version instead of
-    /// printing.
+    /// Write one `<DIR>/<version>_<name>/{up,down}.sql` per schema version instead of
+    /// printing, named as the crate's own `migrations/` (safe to run again).
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Only this schema version (for an app that has the earlier ones already).
@@ -46,47 +46,63 @@ pub(crate) fn sql(outbox: &Outbox, args: &SqlArgs, out: &mut Output<'_>) -> Resu
             ),
         ));
     }
-    let chosen: Vec<(usize, &(String, String))> = (1..)
+    let chosen: Vec<&MigrationFiles> = (1..)
         .zip(&migrations)
         .filter(|(v, _)| version.is_none_or(|wanted| wanted == *v))
+        .map(|(_, m)| m)
         .collect();
     let Some(dir) = &args.dir else {
         let statements = if version.is_none() {
             outbox.sql()
         } else {
-            chosen.iter().map(|(_, (up, _))| up.clone()).collect()
+            chosen.iter().map(|m| m.up.clone()).collect()
         };
         return out.print(json!({ "statements": statements }), || {
             chosen
                 .iter()
-                .map(|(_, (up, _))| up.as_str())
+                .map(|m| m.up.as_str())
                 .collect::<Vec<_>>()
                 .join("\n")
         });
     };
-    // One folder per schema version, named so that the diesel CLI applies them in order.
-    let now = chrono::Utc::now();
-    let table = outbox.table().replace('.', "_");
+    // The crate's own folder names (those of its `migrations/` for the default table), so
+    // a second run finds its folders and changes nothing; a folder of that name with
+    // other content is someone's edit, and is left alone.
     let mut written = Vec::new();
-    for (version, (up, down)) in chosen {
-        let at = now + chrono::Duration::seconds(i64::try_from(version).unwrap_or(0) - 1);
-        let name = if version == 1 {
-            format!("{}_create_{table}", at.format("%Y-%m-%d-%H%M%S"))
-        } else {
-            format!("{}_{table}_v{version}", at.format("%Y-%m-%d-%H%M%S"))
-        };
-        let folder = dir.join(name);
+    let mut unchanged = Vec::new();
+    for m in chosen {
+        let folder = dir.join(&m.folder);
+        let read = |name: &str| std::fs::read_to_string(folder.join(name)).ok();
+        match (read("up.sql"), read("down.sql")) {
+            (Some(up), Some(down)) if up == m.up && down == m.down => {
+                unchanged.push(folder);
+                continue;
+            }
+            (None, None) => {}
+            _ => {
+                return Err(Failure::new(
+                    1,
+                    format!(
+                        "{} exists with other content: remove it, or write elsewhere",
+                        folder.display()
+                    ),
+                ));
+            }
+        }
         std::fs::create_dir_all(&folder)
-            .and_then(|()| std::fs::write(folder.join("up.sql"), up))
-            .and_then(|()| std::fs::write(folder.join("down.sql"), down))
+            .and_then(|()| std::fs::write(folder.join("up.sql"), &m.up))
+            .and_then(|()| std::fs::write(folder.join("down.sql"), &m.down))
             .map_err(|e| Failure::new(1, format!("cannot write {}: {e}", folder.display())))?;
         written.push(folder);
     }
-    out.print(json!({ "migrations": written }), || {
-        written
-            .iter()
-            .map(|f| format!("wrote {}", f.display()))
-            .collect::<Vec<_>>()
-            .join("\n")
-    })
+    out.print(
+        json!({ "migrations": written, "unchanged": unchanged }),
+        || {
+            let wrote = written.iter().map(|f| format!("wrote {}", f.display()));
+            let kept = unchanged
+                .iter()
+                .map(|f| format!("unchanged {}", f.display()));
+            wrote.chain(kept).collect::<Vec<_>>().join("\n")
+        },
+    )
 }
