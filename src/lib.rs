@@ -231,12 +231,15 @@ mod publisher;
 mod relay;
 pub mod schema;
 mod sql;
+mod streak;
 #[cfg(feature = "sync")]
 pub mod sync;
 mod tls;
 mod trace;
 
-pub use crate::connect::{connection_manager, establish, establish_without_statement_cache};
+pub use crate::connect::{
+    checkout, connection_manager, establish, establish_without_statement_cache,
+};
 pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::health::Health;

@@ -9,13 +9,17 @@ mod libpq;
 
 use std::fmt::Write as _;
 
+use bb8::RunError;
 use diesel::ConnectionResult;
 use diesel::connection::CacheSize;
 use diesel::result::ConnectionError;
+use diesel_async::pooled_connection::bb8::PooledConnection;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use futures_util::future::BoxFuture;
 use tokio_postgres::config::Host;
+
+use crate::PgPool;
 
 /// Establishes an [`AsyncPgConnection`] to `database_url`, encrypted and verified as its
 /// libpq parameters say. Multi-host URLs and `target_session_attrs` work as in
@@ -105,6 +109,50 @@ pub fn connection_manager(
     let mut config = ManagerConfig::default();
     config.custom_setup = Box::new(establish);
     AsyncDieselConnectionManager::new_with_config(database_url, config)
+}
+
+/// A connection out of `pool`, as `pool.get()`, with an error that says why when none
+/// comes: bb8 retries a failing connect until the pool's `connection_timeout` and then
+/// reports only "timed out". On that timeout this makes one connection outside the pool
+/// (bounded by the same timeout) and reports its error ("cannot connect to
+/// db.internal:5432: …" from [`establish`]), or, when that one succeeds, that every
+/// connection of the pool was in use. The relay, the janitor and the consumer runner
+/// check connections out this way.
+///
+/// ```no_run
+/// use diesel_outbox::{PgPool, checkout, connection_manager};
+///
+/// # async fn run() -> Result<(), diesel_outbox::Error> {
+/// let pool: PgPool = PgPool::builder()
+///     .build(connection_manager("postgres://app@db.internal/app"))
+///     .await
+///     .map_err(|e| diesel_outbox::Error::Pool(Box::new(e)))?;
+/// let conn = checkout(&pool).await?; // Error::Pool("… cannot connect to db.internal:5432: …")
+/// # drop(conn); Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::Pool`](crate::Error::Pool) with the cause.
+pub async fn checkout(pool: &PgPool) -> crate::Result<PooledConnection<'_, AsyncPgConnection>> {
+    match pool.get().await {
+        Ok(conn) => Ok(conn),
+        Err(RunError::User(e)) => Err(crate::Error::Pool(Box::new(e))),
+        Err(RunError::TimedOut) => {
+            let config = pool.config();
+            let waited = config.connection_timeout;
+            let why = match tokio::time::timeout(waited, pool.dedicated_connection()).await {
+                Ok(Err(e)) => e.to_string(),
+                Ok(Ok(_spare)) => format!(
+                    "all {} connections of the pool were in use",
+                    config.max_size
+                ),
+                Err(_) => format!("connecting took longer than {waited:?}"),
+            };
+            Err(crate::Error::Pool(
+                format!("no connection within the pool's timeout ({waited:?}): {why}").into(),
+            ))
+        }
+    }
 }
 
 async fn connect(database_url: &str) -> ConnectionResult<AsyncPgConnection> {

@@ -354,6 +354,8 @@ pub(crate) struct Inner<H> {
     pub(crate) metrics: Arc<dyn Metrics>,
     /// What [`Consumer::health`] reports.
     pub(crate) vitals: crate::health::Vitals,
+    /// The database's failures, across deliveries, for the logs.
+    pub(crate) database_failures: std::sync::Mutex<crate::streak::Streak>,
 }
 
 impl<S, H> fmt::Debug for Consumer<S, H> {
@@ -512,6 +514,7 @@ impl<S: Source, H: Handler> ConsumerBuilder<S, H> {
                 options: self.options,
                 metrics: self.metrics,
                 vitals: crate::health::Vitals::new(run::HEARTBEAT * 10),
+                database_failures: std::sync::Mutex::default(),
             }),
             source: tokio::sync::Mutex::new(source),
         })

@@ -23,6 +23,7 @@ use super::{Delivery, HandleError, Handler, Inner};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::metrics::Consumed;
+use crate::streak::{Loudness, Streak};
 
 /// How the broker connection is retried after a failure.
 const SOURCE_RETRY_MIN: Duration = Duration::from_millis(100);
@@ -70,6 +71,7 @@ pub(super) async fn run<S: Source, H: Handler>(
     let mut aggregates: HashMap<String, VecDeque<Incoming>> = HashMap::new();
     let mut queued = 0usize;
     let mut source_backoff = Backoff::new(SOURCE_RETRY_MIN, SOURCE_RETRY_MAX);
+    let mut source_failures = Streak::default();
     // After a failure of the source, when it may be asked again.
     let mut retry_at: Option<Instant> = None;
     let spawn = |tasks: &mut JoinSet<()>,
@@ -125,6 +127,9 @@ pub(super) async fn run<S: Source, H: Handler>(
                 Ok(incoming) => {
                     inner.vitals.broker(None);
                     source_backoff.reset();
+                    if let Some(failed_for) = source_failures.ended() {
+                        tracing::info!(table = %table, consumer = %inner.name, failed_for = ?failed_for, "consuming works again");
+                    }
                     retry_at = None;
                     match incoming.delivery.aggregate_key.clone() {
                         Some(key) => match aggregates.get_mut(&key) {
@@ -143,7 +148,20 @@ pub(super) async fn run<S: Source, H: Handler>(
                 Err(e) => {
                     inner.vitals.broker(Some(e.to_string()));
                     let delay = source_backoff.failed();
-                    tracing::warn!(table = %table, consumer = %inner.name, error = %e, retry_in = ?delay, "consuming failed");
+                    match source_failures.failed() {
+                        Loudness::First => tracing::warn!(
+                            table = %table, consumer = %inner.name, error = %e, retry_in = ?delay,
+                            "consuming failed; retrying (logged again each minute while it fails)"
+                        ),
+                        Loudness::Again(failing_for) => tracing::error!(
+                            table = %table, consumer = %inner.name, error = %e,
+                            failing_for = ?failing_for, retry_in = ?delay, "consuming still fails"
+                        ),
+                        Loudness::Quiet => tracing::debug!(
+                            table = %table, consumer = %inner.name, error = %e, retry_in = ?delay,
+                            "consuming failed again"
+                        ),
+                    }
                     retry_at = Some(Instant::now() + delay);
                 }
             },
@@ -196,7 +214,7 @@ fn process_span<H>(inner: &Inner<H>, delivery: &Delivery) -> tracing::Span {
 /// Fails at start when the inbox table is missing (checked in a transaction that is
 /// rolled back, so nothing is recorded).
 async fn check_inbox<H>(inner: &Inner<H>) -> Result<()> {
-    let mut conn = inner.pool.get().await?;
+    let mut conn = crate::checkout(&inner.pool).await?;
     AnsiTransactionManager::begin_transaction(&mut *conn)
         .await
         .map_err(|e| inner.outbox.db_error(e))?;
@@ -208,6 +226,21 @@ async fn check_inbox<H>(inner: &Inner<H>) -> Result<()> {
     probe?;
     rolled_back.map_err(|e| inner.outbox.db_error(e))?;
     Ok(())
+}
+
+/// A delivery went through the database: a run of its failures, if any, is over.
+fn database_answers<H>(inner: &Inner<H>) {
+    let ended = inner
+        .database_failures
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .ended();
+    if let Some(failed_for) = ended {
+        tracing::info!(
+            table = %inner.outbox.table(), consumer = %inner.name, failed_for = ?failed_for,
+            "the database answers again"
+        );
+    }
 }
 
 /// Why a run did not apply its delivery.
@@ -239,16 +272,14 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
     let mut runs = 0u32;
     let ended = loop {
         let started = Instant::now();
-        let outcome = match inner.pool.get().await {
+        let outcome = match crate::checkout(&inner.pool).await {
             Ok(mut conn) => apply(inner, &delivery, &mut conn).await,
-            Err(e) => Err(Failed::Database(format!(
-                "no database connection: {}",
-                Error::from(e)
-            ))),
+            Err(e) => Err(Failed::Database(format!("no database connection: {}", e))),
         };
         let failure = match outcome {
             Ok(first) => {
                 inner.vitals.database(None);
+                database_answers(inner);
                 inner.metrics.consumed(
                     &delivery.topic,
                     if first {
@@ -266,10 +297,27 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
             Err(Failed::Database(why)) => {
                 inner.vitals.database(Some(why.clone()));
                 let delay = unreachable.failed();
-                tracing::warn!(
-                    table = %table, consumer = %name, key = %delivery.key, error = %why,
-                    retry_in = ?delay, "the database failed; the delivery waits, spending no run"
-                );
+                let loudness = inner
+                    .database_failures
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .failed();
+                match loudness {
+                    Loudness::First => tracing::warn!(
+                        table = %table, consumer = %name, key = %delivery.key, error = %why,
+                        retry_in = ?delay,
+                        "the database failed; deliveries wait, spending no run \
+                         (logged again each minute while it fails)"
+                    ),
+                    Loudness::Again(failing_for) => tracing::error!(
+                        table = %table, consumer = %name, error = %why,
+                        failing_for = ?failing_for, "the database still fails; deliveries wait"
+                    ),
+                    Loudness::Quiet => tracing::debug!(
+                        table = %table, consumer = %name, key = %delivery.key, error = %why,
+                        retry_in = ?delay, "the database failed again; the delivery waits"
+                    ),
+                }
                 tokio::select! {
                     () = tokio::time::sleep(delay) => continue,
                     () = crate::relay::until_stopped(&mut stop) => break Ended::Left,

@@ -20,7 +20,7 @@ pub(crate) async fn run(
     loop {
         tick.tick().await;
         let reading = async {
-            let mut conn = pool.get().await?;
+            let mut conn = crate::checkout(&pool).await?;
             outbox.stats(&mut conn).await
         };
         match reading.await {

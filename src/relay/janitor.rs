@@ -59,7 +59,7 @@ async fn purge(
     loop {
         // A fresh checkout per batch: the janitor never keeps a connection from the relay.
         let n = {
-            let mut conn = pool.get().await?;
+            let mut conn = crate::checkout(pool).await?;
             outbox.purge_batch(&mut conn, sql, age, BATCH).await?
         };
         total += n;

@@ -33,6 +33,7 @@ use super::PgPool;
 use crate::backoff::Backoff;
 use crate::health::Vitals;
 use crate::sql::{NoParams, Sql, TableName, WAKE_LOCK_CLASS};
+use crate::streak::{Loudness, Streak};
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(30);
@@ -174,6 +175,7 @@ pub(crate) async fn run(
     vitals: Arc<Vitals>,
 ) {
     let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
+    let mut lost = Streak::default();
     loop {
         let failure = match pool.dedicated_connection().await {
             Ok(mut conn) => match conn.batch_execute(&sql.listen).await {
@@ -181,7 +183,12 @@ pub(crate) async fn run(
                     vitals.database(None);
                     wake.set_listening(true);
                     backoff.reset();
-                    tracing::debug!(table = %table, "relay listening for wake-ups");
+                    match lost.ended() {
+                        Some(lost_for) => {
+                            tracing::info!(table = %table, lost_for = ?lost_for, "relay listening for wake-ups again")
+                        }
+                        None => tracing::debug!(table = %table, "relay listening for wake-ups"),
+                    }
                     wake.notify.notify_one();
                     let why = hold(&mut conn, &sql, &wake).await;
                     wake.set_listening(false);
@@ -197,12 +204,20 @@ pub(crate) async fn run(
             }
         };
         let delay = backoff.failed();
-        tracing::warn!(
-            table = %table,
-            error = %failure,
-            retry_in = ?delay,
-            "relay's LISTEN connection lost; polling until it is back"
-        );
+        match lost.failed() {
+            Loudness::First => tracing::warn!(
+                table = %table, error = %failure, retry_in = ?delay,
+                "relay's LISTEN connection lost; polling until it is back"
+            ),
+            Loudness::Again(lost_for) => tracing::warn!(
+                table = %table, error = %failure, lost_for = ?lost_for, retry_in = ?delay,
+                "relay's LISTEN connection still lost; polling"
+            ),
+            Loudness::Quiet => tracing::debug!(
+                table = %table, error = %failure, retry_in = ?delay,
+                "relay's LISTEN connection: reconnecting failed"
+            ),
+        }
         tokio::time::sleep(delay).await;
     }
 }

@@ -20,7 +20,7 @@ use crate::publisher::PublishError;
 /// drain about this long after the broker is back, at the most.
 pub(super) const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// While an outage lasts, it is logged again this often.
-const LOG_EVERY: Duration = Duration::from_secs(60);
+const LOG_EVERY: Duration = crate::streak::LOG_EVERY;
 
 #[derive(Debug, Default)]
 pub(super) struct Outage {

@@ -36,6 +36,7 @@ use super::store::{Batch, Outcome};
 use super::{Relay, gauges, janitor};
 use crate::error::{Error, Result};
 use crate::publisher::Publisher;
+use crate::streak::{Loudness, Streak};
 
 /// Claimed batches publishing at once.
 pub(super) const PIPELINE: usize = 3;
@@ -141,6 +142,8 @@ struct Loop<'a, P> {
     claim_more: bool,
     /// Claims that failed in a row.
     failures: u32,
+    /// Those failures, for the logs.
+    claim_streak: Streak,
     /// Looks for new work that found nothing while batches are under way; each one waits
     /// longer.
     fruitless: u32,
@@ -315,6 +318,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
             waiting: None,
             claim_more: true,
             failures: 0,
+            claim_streak: Streak::default(),
             fruitless: 0,
             linger_until: now + LINGER,
             blocked_written: (None, now),
@@ -406,7 +410,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
         let options = &self.relay.inner.options;
         match self.relay.claim(Some(&self.run.stop)).await {
             Ok(batch) if batch.claimed() > 0 => {
-                self.failures = 0;
+                self.claims_work_again();
                 self.fruitless = 0;
                 // Busy: writers need not notify; let the wake lock go.
                 self.run.wake.want_idle(false);
@@ -418,6 +422,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
                 Some(Turn::Next)
             }
             Ok(_) => {
+                self.claims_work_again();
                 self.fruitless = self.fruitless.saturating_add(1);
                 None
             }
@@ -426,12 +431,33 @@ impl<'a, P: Publisher> Loop<'a, P> {
                 self.relay.inner.vitals.database(Some(e.to_string()));
                 self.failures += 1;
                 let delay = options.backoff(self.failures).min(options.poll_interval);
-                tracing::warn!(table = %self.relay.inner.outbox.table(), error = %e, retry_in = ?delay, "relay cycle failed");
+                let table = self.relay.inner.outbox.table();
+                match self.claim_streak.failed() {
+                    Loudness::First => tracing::warn!(
+                        table = %table, error = %e, retry_in = ?delay,
+                        "claiming failed; retrying (logged again each minute while it fails)"
+                    ),
+                    Loudness::Again(failing_for) => tracing::error!(
+                        table = %table, error = %e, failing_for = ?failing_for, retry_in = ?delay,
+                        "claiming still fails"
+                    ),
+                    Loudness::Quiet => tracing::debug!(
+                        table = %table, error = %e, retry_in = ?delay, "claiming failed again"
+                    ),
+                }
                 tokio::select! {
                     () = tokio::time::sleep(delay) => Some(Turn::Next),
                     () = until_stopped(&mut self.stopped) => Some(Turn::Stop),
                 }
             }
+        }
+    }
+
+    /// A claim went through: a run of failed claims, if any, is over.
+    fn claims_work_again(&mut self) {
+        self.failures = 0;
+        if let Some(failed_for) = self.claim_streak.ended() {
+            tracing::info!(table = %self.relay.inner.outbox.table(), failed_for = ?failed_for, "claiming works again");
         }
     }
 

@@ -534,21 +534,21 @@ pub(crate) struct PgStore {
 impl Store for PgStore {
     fn claim<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>> {
         Box::pin(async move {
-            let mut conn = self.pool.get().await?;
+            let mut conn = crate::checkout(&self.pool).await?;
             self.outbox.claim(&mut conn, options, held).await
         })
     }
 
     fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>> {
         Box::pin(async move {
-            let mut conn = self.pool.get().await?;
+            let mut conn = crate::checkout(&self.pool).await?;
             self.outbox.record_outcomes(&mut conn, outcomes).await
         })
     }
 
     fn due(&self) -> BoxFuture<'_, Result<bool>> {
         Box::pin(async move {
-            let mut conn = self.pool.get().await?;
+            let mut conn = crate::checkout(&self.pool).await?;
             self.outbox.anything_due(&mut conn).await
         })
     }
@@ -561,7 +561,7 @@ impl Store for PgStore {
         blocked_for: Option<Duration>,
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let mut conn = self.pool.get().await?;
+            let mut conn = crate::checkout(&self.pool).await?;
             self.outbox
                 .set_relay_state(&mut conn, relay_id, idle, ttl, blocked_for)
                 .await
@@ -570,7 +570,7 @@ impl Store for PgStore {
 
     fn forget<'a>(&'a self, relay_id: &'a str) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            let mut conn = self.pool.get().await?;
+            let mut conn = crate::checkout(&self.pool).await?;
             self.outbox.remove_relay(&mut conn, relay_id).await
         })
     }

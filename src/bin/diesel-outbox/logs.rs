@@ -28,14 +28,16 @@ pub(crate) fn init(format: LogFormat, default: &str) {
     }
 }
 
-/// Targets of dependencies that log payloads or credentials, and the most they may log:
-/// lapin logs returned messages (payload included) at warn and every frame (the login's
-/// password included) at trace; async-nats logs its handshake (credentials included) at
-/// trace; amq-protocol logs the broker URL at trace; tokio-postgres
-/// logs bound parameters (payloads) at debug.
+/// Targets of dependencies that log payloads or credentials, or repeat what the crate
+/// reports, and the most they may log. lapin logs returned messages (payload included)
+/// at warn and every frame (the login's password included) at trace; async-nats logs its
+/// handshake (credentials included) at trace; both log each connection failure at error,
+/// which the crate returns or logs itself, naming the broker (so they are off unless
+/// `RUST_LOG` names them). amq-protocol logs the broker URL at trace; tokio-postgres logs
+/// bound parameters (payloads) at debug.
 const QUIET: &[(&str, &str)] = &[
-    ("lapin", "error"),
-    ("async_nats", "debug"),
+    ("lapin", "off"),
+    ("async_nats", "off"),
     ("amq_protocol", "info"),
     ("tokio_postgres", "info"),
 ];
@@ -108,19 +110,19 @@ mod tests {
         // At info (the default) only the targets capped below info get a directive.
         for spec in [None, Some(""), Some("info")] {
             let filter = shown(spec);
-            assert!(filter.contains("lapin=error"), "{spec:?}: {filter}");
-            assert!(!filter.contains("async_nats="), "{spec:?}: {filter}");
+            assert!(filter.contains("lapin=off"), "{spec:?}: {filter}");
+            assert!(filter.contains("async_nats=off"), "{spec:?}: {filter}");
         }
         // A cap never makes a target louder than asked.
         let quiet = shown(Some("warn"));
-        assert!(!quiet.contains("async_nats=debug"), "{quiet}");
+        assert!(quiet.contains("async_nats=off"), "{quiet}");
         assert!(!quiet.contains("tokio_postgres=info"), "{quiet}");
-        assert!(quiet.contains("lapin=error"), "{quiet}");
+        assert!(quiet.contains("lapin=off"), "{quiet}");
         let targets_only = shown(Some("diesel_outbox=trace"));
         assert!(!targets_only.contains("async_nats"), "{targets_only}");
         let named = shown(Some("trace,lapin=debug"));
         assert!(
-            named.contains("lapin=debug") && !named.contains("lapin=error"),
+            named.contains("lapin=debug") && !named.contains("lapin=off"),
             "{named}"
         );
         assert!(named.contains("tokio_postgres=info"), "{named}");

@@ -7,7 +7,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfi
 use diesel_outbox::defaults;
 use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
-use diesel_outbox::{Error, Outbox, PgPool, Publisher, Relay};
+use diesel_outbox::{Outbox, PgPool, Publisher, Relay};
 use futures_util::FutureExt;
 
 use crate::broker::{Broker, BrokerArgs};
@@ -187,7 +187,7 @@ async fn pool(
         .map_err(|e| Failure::new(CONNECTION, format!("cannot build the pool: {e}")))?;
     // Fail fast when the table is missing rather than on the first cycle.
     {
-        let mut conn = pool.get().await.map_err(Error::from)?;
+        let mut conn = diesel_outbox::checkout(&pool).await?;
         outbox.stats(&mut conn).await?;
     }
     Ok(pool)

@@ -16,8 +16,8 @@ const MALFORMED: &str = "the AMQP URL is malformed (not shown: it may hold a pas
 pub(crate) struct Endpoint {
     uri: AMQPUri,
     tls: OwnedTLSConfig,
-    /// `host:port/vhost`, with `amqps` when it is over TLS: how the broker is named in
-    /// errors and logs (never the URL).
+    /// `host:port`, with ` vhost NAME` unless the vhost is `/` and `amqps://` before it
+    /// when it is over TLS: how the broker is named in errors and logs (never the URL).
     pub(crate) name: String,
 }
 
@@ -41,11 +41,15 @@ impl Endpoint {
             });
         }
         let name = format!(
-            "{}{}:{}/{}",
+            "{}{}:{}{}",
             if secure { "amqps://" } else { "" },
             uri.authority.host,
             uri.authority.port,
-            uri.vhost
+            if uri.vhost == "/" {
+                String::new()
+            } else {
+                format!(" vhost {}", uri.vhost)
+            }
         );
         Ok(Endpoint {
             uri,
