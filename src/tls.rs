@@ -73,6 +73,7 @@ impl Tls {
     }
 
     /// Reads the files.
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
     pub(crate) fn load(&self) -> Result<Loaded, String> {
         let ca = self.ca_file.as_deref().map(Pem::certificates).transpose()?;
         let client = self
@@ -87,6 +88,8 @@ impl Tls {
 /// One PEM file's text and what it holds.
 #[derive(Clone)]
 pub(crate) struct Pem<T> {
+    /// The file's text, as lapin takes it.
+    #[cfg_attr(not(feature = "rabbitmq"), allow(dead_code))]
     pub(crate) text: String,
     pub(crate) items: T,
 }
@@ -131,6 +134,7 @@ fn read(path: &Path, what: &str) -> Result<String, String> {
 }
 
 /// A [`Tls`] with its files read.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub(crate) struct Loaded {
     pub(crate) ca: Option<Pem<Vec<CertificateDer<'static>>>>,
     pub(crate) client: Option<ClientCert>,
@@ -154,7 +158,8 @@ pub(crate) enum Roots<'a> {
     Platform,
     /// These certificates only.
     Only(&'a [CertificateDer<'static>]),
-    /// The platform's and these.
+    /// The platform's and these (NATS's `Tls`; RabbitMQ's goes through lapin's own).
+    #[cfg(feature = "nats")]
     PlatformAnd(&'a [CertificateDer<'static>]),
 }
 
@@ -201,6 +206,7 @@ fn root_store(roots: Roots<'_>) -> Result<RootCertStore, String> {
     let (platform, extra): (bool, &[CertificateDer<'static>]) = match roots {
         Roots::Platform => (true, &[]),
         Roots::Only(certs) => (false, certs),
+        #[cfg(feature = "nats")]
         Roots::PlatformAnd(certs) => (true, certs),
     };
     if platform {

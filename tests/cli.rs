@@ -537,18 +537,6 @@ async fn relay_logs_no_secret(test: &str, rust_log: &str, format: &str) -> Strin
     log
 }
 
-/// `GET` `path` on `addr` over plain HTTP/1.0; the body.
-fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let (head, body) = response.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.").then(|| body.to_owned())
-}
-
 /// The sum of a Prometheus metric's samples in `text`, whatever their labels.
 fn metric_sum(text: &str, name: &str) -> f64 {
     text.lines()
@@ -558,24 +546,11 @@ fn metric_sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
-/// `GET` `path` on `addr`: the status code and the body.
-fn http_status(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let (head, body) = response.split_once("\r\n\r\n")?;
-    let code = head.split(' ').nth(1)?.parse().ok()?;
-    Some((code, body.to_owned()))
-}
-
 /// Waits until `path` answers `code` with a body holding `text`.
 async fn wait_probe(addr: std::net::SocketAddr, path: &str, code: u16, text: &str) {
     let what = format!("{path} to answer {code} with {text:?}");
     eventually(Duration::from_secs(30), &what, || async {
-        http_status(addr, path).filter(|(c, body)| *c == code && body.contains(text))
+        common::http::get(addr, path).filter(|(c, body)| *c == code && body.contains(text))
     })
     .await;
 }
@@ -633,7 +608,11 @@ async fn the_relay_probes_follow_the_broker_and_the_database() {
         .await
         .unwrap();
     wait_probe(addr, "/readyz", 503, "broker unavailable").await;
-    assert_eq!(http_status(addr, "/livez").unwrap().0, 200, "still live");
+    assert_eq!(
+        common::http::get(addr, "/livez").unwrap().0,
+        200,
+        "still live"
+    );
     mq.set_down(false);
     wait_probe(addr, "/readyz", 200, "\"ready\":true").await;
     let delivery = next(&mut consumer, Duration::from_secs(30))
@@ -645,7 +624,7 @@ async fn the_relay_probes_follow_the_broker_and_the_database() {
     wait_probe(addr, "/readyz", 503, "database unreachable").await;
     pg.set_down(false);
     wait_probe(addr, "/readyz", 200, "\"ready\":true").await;
-    let metrics = http_status(addr, "/metrics").unwrap();
+    let metrics = common::http::get(addr, "/metrics").unwrap();
     assert!(
         metrics.1.contains("outbox_published_total"),
         "{}",
@@ -700,7 +679,7 @@ async fn the_relay_serves_its_metrics_to_prometheus() {
         Duration::from_secs(30),
         "outbox_published_total = 7",
         || {
-            let body = http_get(addr, "/metrics");
+            let body = common::http::get(addr, "/metrics").map(|(_, body)| body);
             async move { body.filter(|b| metric_sum(b, "outbox_published_total") == 7.0) }
         },
     )

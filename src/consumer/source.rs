@@ -65,11 +65,13 @@ pub trait Settle: Send + Sync {
 /// A source's connection: the live one, or the connect under way, which is kept across
 /// calls of `next` that the runner drops while they wait (so a connect is not restarted
 /// each time).
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub(super) struct Link<L> {
     live: Option<L>,
     connecting: Option<BoxFuture<'static, Result<L, String>>>,
 }
 
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 impl<L> Default for Link<L> {
     fn default() -> Self {
         Link {
@@ -79,6 +81,7 @@ impl<L> Default for Link<L> {
     }
 }
 
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 impl<L> Link<L> {
     /// The live connection, opened with `connect` first if there is none (or the connect
     /// under way resumed).

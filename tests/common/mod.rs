@@ -382,6 +382,7 @@ pub async fn stop_relay(
 pub mod broker;
 pub mod cluster;
 pub mod fakes;
+pub mod http;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod proxy;

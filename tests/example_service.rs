@@ -1,0 +1,224 @@
+//! `examples/axum_service.rs`, run as a process and driven over HTTP: orders are created,
+//! one is declined and rolled back with its event, every other order gets exactly one
+//! invoice, `/readyz` answers, and SIGTERM drains the relay and the consumer and exits 0.
+//!
+//! `cargo test` builds the examples before it runs the tests; run alone, this test needs
+//! `cargo build --example axum_service --features rabbitmq` first.
+#![cfg(feature = "rabbitmq")]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use diesel::QueryableByName;
+use diesel::sql_types::BigInt;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_outbox::Outbox;
+
+/// The example's binary, beside the test binaries' folder.
+fn example() -> PathBuf {
+    let deps = std::env::current_exe().expect("the test binary's path");
+    let target = deps
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>");
+    let path = target.join("examples").join("axum_service");
+    assert!(
+        path.exists(),
+        "{} is missing: cargo build --example axum_service --features rabbitmq",
+        path.display()
+    );
+    path
+}
+
+/// A database of the test's own, dropped at the end (the example's tables have fixed names).
+struct Database {
+    name: String,
+    url: String,
+}
+
+impl Database {
+    async fn create() -> Database {
+        let name = common::unique("svc");
+        let mut admin = common::connect().await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await
+            .unwrap();
+        let base = common::database_url();
+        let (server, params) = base
+            .split_once('?')
+            .map_or((base.as_str(), ""), |(s, p)| (s, p));
+        let server = server.rsplit_once('/').expect("a database in the URL").0;
+        let url = if params.is_empty() {
+            format!("{server}/{name}")
+        } else {
+            format!("{server}/{name}?{params}")
+        };
+        Database { name, url }
+    }
+
+    async fn drop_it(self) {
+        let mut admin = common::connect().await;
+        admin
+            .batch_execute(&format!("DROP DATABASE \"{}\" WITH (FORCE)", self.name))
+            .await
+            .unwrap();
+    }
+}
+
+#[derive(QueryableByName)]
+struct Row {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn numbers(conn: &mut AsyncPgConnection, sql: &str) -> Vec<i64> {
+    diesel::sql_query(sql)
+        .load::<Row>(conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.n)
+        .collect()
+}
+
+/// Starts the service; returns it with the address it printed.
+fn start(db: &Database, exchange: &str) -> (Child, SocketAddr) {
+    let mut child = Command::new(example())
+        .env("DATABASE_URL", &db.url)
+        .env("AMQP_URL", common::broker::amqp_url())
+        .env("LISTEN_ADDR", "127.0.0.1:0")
+        .env("EXCHANGE", exchange)
+        .env("QUEUE", format!("{exchange}.invoicing"))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the example");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("the service said {line:?}"))
+        .parse()
+        .unwrap();
+    (child, addr)
+}
+
+#[tokio::test]
+async fn the_example_service_takes_orders_and_invoices_each_exactly_once() {
+    let db = Database::create().await;
+    let exchange = common::unique("svc");
+    let (mut service, addr) = start(&db, &exchange);
+    let (code, body) = common::eventually(common::DEADLINE, "/readyz to answer 200", || async {
+        common::http::get(addr, "/readyz").filter(|(code, _)| *code == 200)
+    })
+    .await;
+    assert!(body.contains("\"ok\":true"), "{code} {body}");
+    assert_eq!(common::http::get(addr, "/livez").unwrap().0, 200);
+
+    // Five orders; the third is over the charge limit and declined after it was written.
+    let orders = [
+        ("ada", 1200),
+        ("grace", 450),
+        ("linus", 99_000),
+        ("barbara", 3100),
+        ("ken", 75),
+    ];
+    let mut created = Vec::new();
+    for (customer, total) in orders {
+        let body = format!(r#"{{"customer": "{customer}", "total": {total}}}"#);
+        let (code, answer) =
+            common::http::request(addr, "POST", "/orders", Some(&body)).expect("an answer");
+        if total > 10_000 {
+            assert_eq!(
+                (code, answer.as_str()),
+                (422, r#"{"error":"payment declined"}"#)
+            );
+        } else {
+            assert_eq!(code, 201, "{answer}");
+            let id: serde_json::Value = serde_json::from_str(&answer).unwrap();
+            created.push(id["id"].as_i64().expect("an id"));
+        }
+    }
+    let (bad, _) = common::http::request(
+        addr,
+        "POST",
+        "/orders",
+        Some(r#"{"customer": "", "total": 5}"#),
+    )
+    .unwrap();
+    assert_eq!(bad, 400);
+
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    let deadline = tokio::time::Instant::now() + common::DEADLINE;
+    let invoiced = loop {
+        let invoiced = numbers(&mut conn, "SELECT order_id AS n FROM invoices ORDER BY 1").await;
+        if invoiced.len() >= created.len() {
+            break invoiced;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {invoiced:?} invoiced of {created:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    created.sort_unstable();
+    assert_eq!(invoiced, created, "exactly one invoice per created order");
+    let stored = numbers(&mut conn, "SELECT id AS n FROM orders ORDER BY 1").await;
+    assert_eq!(stored, created, "the declined order rolled back");
+    let stats = Outbox::new().stats(&mut conn).await.unwrap();
+    assert_eq!(
+        (stats.pending, stats.sent, stats.dead),
+        (0, 4, 0),
+        "the declined order's event rolled back with it"
+    );
+
+    // SIGTERM: the server stops, the relay forgets its record, the process exits 0.
+    let pid = service.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = common::eventually(common::DEADLINE, "the service to exit", || {
+        let status = service.try_wait().unwrap();
+        async move { status }
+    })
+    .await;
+    assert!(status.success(), "{status:?}");
+    let relays = numbers(&mut conn, "SELECT count(*) AS n FROM outbox_relays").await;
+    assert_eq!(relays, [0], "the relay drained and removed its record");
+    assert!(
+        common::http::get(addr, "/readyz").is_none(),
+        "nothing listens any more"
+    );
+    let again = numbers(&mut conn, "SELECT count(*) AS n FROM invoices").await;
+    assert_eq!(again, [4]);
+    drop(conn);
+
+    let mq = common::broker::connect().await;
+    let channel = mq.create_channel().await.unwrap();
+    for queue in [
+        format!("{exchange}.invoicing"),
+        format!("{exchange}.invoicing.dead"),
+    ] {
+        let _ = channel
+            .queue_delete(queue.as_str().into(), Default::default())
+            .await;
+    }
+    let _ = channel
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await;
+    db.drop_it().await;
+}
