@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use diesel::sql_types::Text;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::Outbox;
 use diesel_outbox::consumer::{Consumer, HandleError, handler_fn, rabbitmq};
 use futures_util::StreamExt;
@@ -117,7 +117,7 @@ async fn by_hand(
             FieldTable::default(),
         )
         .await?;
-    let mut conn = AsyncPgConnection::establish(&env.database_url).await?;
+    let mut conn = diesel_outbox::establish(&env.database_url).await?;
     let insert = format!("INSERT INTO {effects} (key) VALUES ($1)");
     for _ in 0..n {
         let delivery = tokio::time::timeout(Duration::from_secs(60), deliveries.next())

@@ -4,7 +4,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use diesel_async::{AsyncConnection, AsyncPgConnection};
 use diesel_outbox::Message;
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
@@ -63,7 +62,7 @@ pub(crate) async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
         };
         let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut writer = AsyncPgConnection::establish(&env.database_url).await?;
+        let mut writer = diesel_outbox::establish(&env.database_url).await?;
         for i in 0..n {
             ticker.tick().await;
             let key = format!("l{i}");

@@ -4,6 +4,7 @@
 //! cargo bench --bench outbox --features cli              # everything
 //! cargo bench --bench outbox --features cli -- --quick   # smaller, under a minute
 //! cargo bench --bench outbox --features cli -- --only throughput,writers   # or a,c
+//! cargo bench --bench outbox --features cli -- --only a --sslmode require  # over TLS
 //! ```
 //!
 //! One file per scenario, named by what it measures; `fixture` holds what they run on and
@@ -47,6 +48,10 @@ struct Args {
     /// BENCHMARKS.md.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Scenario>,
+    /// libpq's `sslmode` for every PostgreSQL connection of the run, the relay's and the
+    /// baselines' alike (default: the URL's own, else `disable`); `require` measures over TLS.
+    #[arg(long, value_parser = ["disable", "prefer", "require"])]
+    sslmode: Option<String>,
     /// Ignored (cargo bench passes it).
     #[arg(long, hide = true)]
     bench: bool,
@@ -132,13 +137,15 @@ async fn main() -> BoxResult<()> {
         common::services::Service::RabbitMq,
         common::services::Service::Nats,
     ])?;
+    let (database_url, sslmode) = with_sslmode(&database_url, args.sslmode.as_deref());
+    println!("{}", json!({ "postgres_sslmode": sslmode }));
     // Dropped (with every table in it) when the run ends, however it ends.
     let schema = common::TestSchema::new().await;
     let amqp = common::broker::connect().await;
     let channel = amqp.create_channel().await?;
     // The benchmark's own connection fills tables and polls for progress: not the work of
     // what is measured, so its backend is left out of PostgreSQL's CPU.
-    let mut conn = common::connect().await;
+    let mut conn = diesel_outbox::establish(&database_url).await?;
     #[derive(diesel::QueryableByName)]
     struct Pid {
         #[diesel(sql_type = diesel::sql_types::Integer)]
@@ -150,13 +157,17 @@ async fn main() -> BoxResult<()> {
     )
     .await?;
     let mut env = Env {
-        database_url,
+        database_url: database_url.clone(),
         amqp_url,
         nats_url,
         schema: schema.name.clone(),
         conn,
         conn_backend: u32::try_from(pid.pid)?,
-        pool: common::pool(8).await,
+        pool: diesel_outbox::PgPool::builder()
+            .max_size(8)
+            .test_on_check_out(false)
+            .build(diesel_outbox::connection_manager(&database_url))
+            .await?,
         amqp,
         channel,
         quick: args.quick,
@@ -217,9 +228,28 @@ async fn main() -> BoxResult<()> {
     }
     println!("{table}");
     println!(
-        "total {:.0} s{}",
+        "total {:.0} s{}, PostgreSQL sslmode={sslmode} for the relays and the baselines alike",
         started.elapsed().as_secs_f64(),
         if env.quick { " (quick)" } else { "" }
     );
     Ok(())
+}
+
+/// `url` with `sslmode` set (replacing the URL's own), or kept as the URL says (`disable`
+/// when it says nothing): the URL every connection of the run uses, and its mode.
+fn with_sslmode(url: &str, sslmode: Option<&str>) -> (String, String) {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut params: Vec<&str> = query.split('&').filter(|p| !p.is_empty()).collect();
+    let own = params
+        .iter()
+        .find_map(|p| p.strip_prefix("sslmode="))
+        .map(str::to_owned);
+    let mode = sslmode
+        .map(str::to_owned)
+        .or(own)
+        .unwrap_or_else(|| "disable".to_owned());
+    params.retain(|p| !p.starts_with("sslmode="));
+    let setting = format!("sslmode={mode}");
+    params.push(&setting);
+    (format!("{base}?{}", params.join("&")), mode)
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bytea, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use lapin::options::ConfirmSelectOptions;
@@ -82,7 +82,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
         "UPDATE {} SET status = 'sent', sent_at = now(), lease_until = NULL WHERE id = ANY($1)",
         bare.table()
     );
-    let mut bare_conn = AsyncPgConnection::establish(&env.database_url).await?;
+    let mut bare_conn = diesel_outbox::establish(&env.database_url).await?;
     // The plan guidance the relay's statements run with: on a table whose statistics do not
     // yet know the backlog, the planner would read and sort every pending row per claim.
     bare_conn
@@ -119,7 +119,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     naive_channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    let mut conn = AsyncPgConnection::establish(&env.database_url).await?;
+    let mut conn = diesel_outbox::establish(&env.database_url).await?;
     let claim = format!(
         "UPDATE {t} SET lease_until = now() + interval '30 seconds', attempts = attempts + 1 \
          WHERE id = (SELECT id FROM {t} WHERE status = 'pending' \

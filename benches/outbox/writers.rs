@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::Message;
 use serde_json::json;
 
@@ -34,7 +34,7 @@ pub(crate) async fn writers(env: &mut Env) -> BoxResult<Figure> {
         let until = Instant::now() + Duration::from_secs(secs);
         let mut tasks = Vec::new();
         for _ in 0..clients {
-            let mut conn = AsyncPgConnection::establish(&env.database_url).await?;
+            let mut conn = diesel_outbox::establish(&env.database_url).await?;
             let outbox = outbox.clone();
             let commits = commits.clone();
             let insert = format!("INSERT INTO {orders} (customer, total) VALUES ('ada', 42)");
