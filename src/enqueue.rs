@@ -41,14 +41,14 @@ statement! {
 
 /// The enqueue statements of one table, each in a form that wakes an idle relay on commit.
 #[derive(Debug, Clone)]
-pub(crate) struct Statements {
+pub(crate) struct EnqueueStatements {
     pub(crate) enqueue: Sql<EnqueueMany>,
     pub(crate) enqueue_notify: Sql<Notifying<EnqueueMany>>,
     pub(crate) enqueue_one: Sql<EnqueueOne>,
     pub(crate) enqueue_one_notify: Sql<Notifying<EnqueueOne>>,
 }
 
-impl Statements {
+impl EnqueueStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         let t = table.quoted();
         let enqueue_cte = format!(
@@ -117,7 +117,7 @@ impl Statements {
              SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake) AS w",
             channel = Notifying::<EnqueueOne>::channel,
         );
-        Statements {
+        EnqueueStatements {
             enqueue: Sql::new(format!("{enqueue_cte}\n{enqueue_tail}")),
             enqueue_notify: Sql::new(enqueue_notify),
             enqueue_one: Sql::new(format!(
@@ -430,5 +430,23 @@ impl EnqueueExt for AsyncPgConnection {
 
     async fn enqueue_many(&mut self, msgs: Vec<Message>) -> Result<Vec<String>> {
         Outbox::new().enqueue_many(self, msgs).await
+    }
+}
+
+#[cfg(test)]
+impl crate::sql::Listed for EnqueueStatements {
+    fn listed(&self) -> Vec<(String, &str)> {
+        let EnqueueStatements {
+            enqueue,
+            enqueue_notify,
+            enqueue_one,
+            enqueue_one_notify,
+        } = self;
+        vec![
+            ("enqueue".into(), enqueue.text()),
+            ("enqueue_notify".into(), enqueue_notify.text()),
+            ("enqueue_one".into(), enqueue_one.text()),
+            ("enqueue_one_notify".into(), enqueue_one_notify.text()),
+        ]
     }
 }

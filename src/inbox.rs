@@ -20,13 +20,13 @@ statement! {
 
 /// The inbox statement of one table.
 #[derive(Debug, Clone)]
-pub(crate) struct Statements {
+pub(crate) struct InboxStatements {
     pub(crate) dedupe: Sql<Dedupe>,
 }
 
-impl Statements {
+impl InboxStatements {
     pub(crate) fn render(table: &TableName) -> Self {
-        Statements {
+        InboxStatements {
             dedupe: Sql::new(format!(
                 "INSERT INTO {inbox} (consumer, idempotency_key) VALUES ({consumer}, {key}) \
                  ON CONFLICT DO NOTHING RETURNING true AS inserted",
@@ -119,5 +119,13 @@ pub trait DedupeExt {
 impl DedupeExt for AsyncPgConnection {
     async fn dedupe(&mut self, consumer: &str, key: &str) -> Result<bool> {
         Outbox::new().dedupe(self, consumer, key).await
+    }
+}
+
+#[cfg(test)]
+impl crate::sql::Listed for InboxStatements {
+    fn listed(&self) -> Vec<(String, &str)> {
+        let InboxStatements { dedupe } = self;
+        vec![("dedupe".into(), dedupe.text())]
     }
 }

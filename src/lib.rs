@@ -216,6 +216,7 @@
 #![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
 
 mod backoff;
+mod broker;
 mod connect;
 pub mod consumer;
 pub mod defaults;
@@ -230,6 +231,7 @@ mod outbox;
 mod publisher;
 mod relay;
 pub mod schema;
+mod shutdown;
 mod sql;
 mod streak;
 #[cfg(feature = "sync")]
@@ -237,6 +239,10 @@ pub mod sync;
 mod tls;
 mod trace;
 
+#[cfg(feature = "nats")]
+pub use crate::broker::nats;
+#[cfg(feature = "rabbitmq")]
+pub use crate::broker::rabbitmq;
 pub use crate::connect::{
     checkout, connection_manager, establish, establish_without_statement_cache,
 };
@@ -250,10 +256,6 @@ pub use crate::metrics::FacadeMetrics;
 pub use crate::metrics::{Consumed, Metrics, NoMetrics};
 pub use crate::ops::{DeadLetter, Stats};
 pub use crate::outbox::{Outbox, OutboxBuilder};
-#[cfg(feature = "nats")]
-pub use crate::publisher::nats;
-#[cfg(feature = "rabbitmq")]
-pub use crate::publisher::rabbitmq;
 pub use crate::publisher::{
     AGGREGATE_HEADER, ATTEMPT_HEADER, BatchResults, FnPublisher, PublishError, Publisher, Record,
     publisher_fn,

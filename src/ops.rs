@@ -51,7 +51,7 @@ statement! {
 
 /// The operations' statements of one table.
 #[derive(Debug, Clone)]
-pub(crate) struct Statements {
+pub(crate) struct OpsStatements {
     pub(crate) stats: Sql<StatsQuery>,
     pub(crate) redrive: Sql<Redrive>,
     pub(crate) dead_letters: Sql<DeadLetters>,
@@ -59,12 +59,12 @@ pub(crate) struct Statements {
     pub(crate) purge_inbox: Sql<Purge>,
 }
 
-impl Statements {
+impl OpsStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         let t = table.quoted();
         let inbox = table.quoted_with("_inbox");
         let relays = table.quoted_with("_relays");
-        Statements {
+        OpsStatements {
             stats: Sql::new(format!(
                 "SELECT\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
@@ -402,4 +402,24 @@ pub(crate) fn purge_age(age: Duration) -> Result<i64> {
         )));
     }
     Ok(micros(age))
+}
+
+#[cfg(test)]
+impl crate::sql::Listed for OpsStatements {
+    fn listed(&self) -> Vec<(String, &str)> {
+        let OpsStatements {
+            stats,
+            redrive,
+            dead_letters,
+            purge_sent,
+            purge_inbox,
+        } = self;
+        vec![
+            ("stats".into(), stats.text()),
+            ("redrive".into(), redrive.text()),
+            ("dead_letters".into(), dead_letters.text()),
+            ("purge_sent".into(), purge_sent.text()),
+            ("purge_inbox".into(), purge_inbox.text()),
+        ]
+    }
 }

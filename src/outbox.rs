@@ -6,7 +6,7 @@ use std::sync::{Arc, LazyLock};
 use crate::defaults;
 use crate::error::{Error, Result};
 use crate::message::Limits;
-use crate::sql::{Statements, TableName};
+use crate::sql::{TableName, TableStatements};
 
 /// An outbox table: its name, its limits, and every SQL statement rendered for it.
 ///
@@ -25,13 +25,13 @@ use crate::sql::{Statements, TableName};
 /// ```
 #[derive(Clone)]
 pub struct Outbox {
-    pub(crate) inner: Arc<Inner>,
+    pub(crate) inner: Arc<OutboxShared>,
 }
 
-pub(crate) struct Inner {
+pub(crate) struct OutboxShared {
     pub(crate) table: TableName,
     pub(crate) display: String,
-    pub(crate) sql: Statements,
+    pub(crate) sql: TableStatements,
     pub(crate) limits: Limits,
     pub(crate) notify: bool,
 }
@@ -95,7 +95,7 @@ impl Outbox {
         self.inner.table.channel()
     }
 
-    pub(crate) fn statements(&self) -> &Statements {
+    pub(crate) fn statements(&self) -> &TableStatements {
         &self.inner.sql
     }
 
@@ -187,9 +187,9 @@ impl OutboxBuilder {
             )));
         }
         Ok(Outbox {
-            inner: Arc::new(Inner {
+            inner: Arc::new(OutboxShared {
                 display: table.display(),
-                sql: Statements::render(&table),
+                sql: TableStatements::render(&table),
                 table,
                 limits: Limits {
                     max_payload_bytes: self.max_payload_bytes,

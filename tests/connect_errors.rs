@@ -264,7 +264,7 @@ async fn rabbitmq_failures_name_the_broker_and_the_cause_never_the_password() {
     // The binary: one line (lapin's own account of the refusal is not repeated).
     let relay = one_error_line(
         &cli(
-            &["relay", "--exchange", "amq.topic"],
+            &["relay", "--table", &table, "--exchange", "amq.topic"],
             &[
                 ("DATABASE_URL", &common::database_url()),
                 ("AMQP_URL", &url),
@@ -315,9 +315,22 @@ async fn nats_failures_name_the_server_and_the_cause_never_the_credentials() {
         "{wrong}"
     );
 
+    // The relay's own table is there: what fails is the broker.
+    let schema = common::TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    outbox.migrate(&mut schema.connect().await).await.unwrap();
     let ca = nats.ca.display().to_string();
     let relay = cli(
-        &["relay", "--broker", "nats", "--nats-tls-ca", &ca],
+        &[
+            "relay",
+            "--table",
+            &table,
+            "--broker",
+            "nats",
+            "--nats-tls-ca",
+            &ca,
+        ],
         &[
             ("DATABASE_URL", &common::database_url()),
             ("NATS_URL", &nats.url),

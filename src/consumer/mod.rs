@@ -64,9 +64,50 @@
 //! purges them; a redelivery later than that runs the handler again.
 
 #[cfg(feature = "nats")]
-pub mod nats;
+pub mod nats {
+    //! The NATS JetStream source (feature `nats`): one durable pull consumer, with explicit
+    //! acknowledgements, pulled in batches of the consumer's concurrency.
+    //!
+    //! A message becomes a [`Delivery`](super::Delivery): its `Nats-Msg-Id` header is the key, its subject
+    //! (without the [`Source::subject_prefix`], when it starts with it) the topic,
+    //! `x-outbox-attempt` the attempt, `x-outbox-aggregate-key` the aggregate key and
+    //! `Content-Type` the content type; other headers are the delivery's headers. A delivery
+    //! counts as redelivered when JetStream delivered it before. A message without
+    //! `Nats-Msg-Id` cannot be deduplicated: it is terminated (JetStream stops redelivering it
+    //! and publishes a `MSG_TERMINATED` advisory) and logged.
+    //!
+    //! The acknowledgement is a double ack: the runner learns whether the server took it. A
+    //! rejection terminates the message (JetStream has no dead-letter stream of its own: keep
+    //! terminated messages by consuming the advisory, or give the consumer a `max_deliver`).
+    //! Messages handed out and not settled when the source closes are redelivered once the
+    //! JetStream consumer's `ack_wait` passes. The durable consumer must exist, as a pull
+    //! consumer with explicit acks: create it in your deployment or at start-up.
+    //!
+    //! Hazards: the client pulls ahead (a new batch of the runner's concurrency once half the
+    //! last one is handed out), so up to about one and a half times the concurrency waits in
+    //! the client beyond what the runner handles; their `ack_wait` runs meanwhile. Give the
+    //! durable consumer an `ack_wait` longer than the runner's `handler_timeout` plus that
+    //! wait, and a `max_ack_pending` of the runner's concurrency to bound it; with a
+    //! `max_deliver`, a message redelivered that often is dropped by JetStream. The
+    //! connection is reopened by itself after a loss; credentials never appear in its `Debug`
+    //! output, its errors or its logs.
+
+    pub use crate::broker::nats::source::Source;
+}
 #[cfg(feature = "rabbitmq")]
-pub mod rabbitmq;
+pub mod rabbitmq {
+    //! The RabbitMQ source (feature `rabbitmq`): one queue, consumed with manual
+    //! acknowledgements and a prefetch of the consumer's concurrency.
+    //!
+    //! A message becomes a [`Delivery`](super::Delivery): its message id is the key, its routing key the topic,
+    //! `x-outbox-attempt` the attempt and `x-outbox-aggregate-key` the aggregate key; string
+    //! headers are the delivery's headers. A message without a message id cannot be
+    //! deduplicated: it is rejected (to the queue's dead-letter exchange, if it has one) and
+    //! logged. The connection is reopened by itself after a loss; URLs and passwords never
+    //! appear in its `Debug` output, its errors or its logs.
+
+    pub use crate::broker::rabbitmq::source::Source;
+}
 mod run;
 mod source;
 
@@ -84,6 +125,8 @@ use crate::metrics::{Metrics, NoMetrics};
 use crate::outbox::Outbox;
 use crate::relay::PgPool;
 
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) use self::source::Reconnecting;
 pub use self::source::{Incoming, Settle, Source};
 
 /// One message as the consumer received it.
@@ -341,11 +384,11 @@ impl Default for Options {
 /// Consumes deliveries from a [`Source`] and applies each once through a [`Handler`]; see
 /// the [module docs](self).
 pub struct Consumer<S, H> {
-    inner: Arc<Inner<H>>,
+    inner: Arc<ConsumerShared<H>>,
     source: tokio::sync::Mutex<S>,
 }
 
-pub(crate) struct Inner<H> {
+pub(crate) struct ConsumerShared<H> {
     pub(crate) outbox: Outbox,
     pub(crate) pool: PgPool,
     pub(crate) name: String,
@@ -506,7 +549,7 @@ impl<S: Source, H: Handler> ConsumerBuilder<S, H> {
             .check()
             .map_err(|e| Error::InvalidOption(e.to_string()))?;
         Ok(Consumer {
-            inner: Arc::new(Inner {
+            inner: Arc::new(ConsumerShared {
                 outbox: self.outbox,
                 pool: self.pool,
                 name: self.name,

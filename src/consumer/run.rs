@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::source::{Incoming, Source};
-use super::{Delivery, HandleError, Handler, Inner};
+use super::{ConsumerShared, Delivery, HandleError, Handler};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::metrics::Consumed;
@@ -49,7 +49,7 @@ enum Ended {
 }
 
 pub(super) async fn run<S: Source, H: Handler>(
-    inner: Arc<Inner<H>>,
+    inner: Arc<ConsumerShared<H>>,
     source: &mut S,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
@@ -195,7 +195,7 @@ pub(super) async fn run<S: Source, H: Handler>(
 
 /// The span of one delivery's handling, every run included: a child of the enqueuing span
 /// whose trace context the message carries (with the `opentelemetry` feature).
-fn process_span<H>(inner: &Inner<H>, delivery: &Delivery) -> tracing::Span {
+fn process_span<H>(inner: &ConsumerShared<H>, delivery: &Delivery) -> tracing::Span {
     let span = tracing::info_span!(
         target: "diesel_outbox",
         parent: None,
@@ -213,7 +213,7 @@ fn process_span<H>(inner: &Inner<H>, delivery: &Delivery) -> tracing::Span {
 
 /// Fails at start when the inbox table is missing (checked in a transaction that is
 /// rolled back, so nothing is recorded).
-async fn check_inbox<H>(inner: &Inner<H>) -> Result<()> {
+async fn check_inbox<H>(inner: &ConsumerShared<H>) -> Result<()> {
     let mut conn = crate::checkout(&inner.pool).await?;
     AnsiTransactionManager::begin_transaction(&mut *conn)
         .await
@@ -229,7 +229,7 @@ async fn check_inbox<H>(inner: &Inner<H>) -> Result<()> {
 }
 
 /// A delivery went through the database: a run of its failures, if any, is over.
-fn database_answers<H>(inner: &Inner<H>) {
+fn database_answers<H>(inner: &ConsumerShared<H>) {
     let ended = inner
         .database_failures
         .lock()
@@ -254,7 +254,7 @@ enum Failed {
 
 /// [`settle`] on a task of its own.
 async fn settle_owned<H: Handler>(
-    inner: Arc<Inner<H>>,
+    inner: Arc<ConsumerShared<H>>,
     incoming: Incoming,
     stop: watch::Receiver<bool>,
 ) {
@@ -263,7 +263,11 @@ async fn settle_owned<H: Handler>(
 
 /// Runs a delivery until it is applied, found a duplicate, rejected, or left by shutdown,
 /// and settles it with the broker.
-async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watch::Receiver<bool>) {
+async fn settle<H: Handler>(
+    inner: &ConsumerShared<H>,
+    incoming: Incoming,
+    mut stop: watch::Receiver<bool>,
+) {
     let Incoming { delivery, settle } = incoming;
     let options = &inner.options;
     let (table, name) = (inner.outbox.table(), &inner.name);
@@ -320,7 +324,7 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
                 }
                 tokio::select! {
                     () = tokio::time::sleep(delay) => continue,
-                    () = crate::relay::until_stopped(&mut stop) => break Ended::Left,
+                    () = crate::shutdown::until_stopped(&mut stop) => break Ended::Left,
                 }
             }
             Err(Failed::Handler(e)) => e,
@@ -349,7 +353,7 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
         );
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
-            () = crate::relay::until_stopped(&mut stop) => break Ended::Left,
+            () = crate::shutdown::until_stopped(&mut stop) => break Ended::Left,
         }
     };
     let settling = match ended {
@@ -371,7 +375,7 @@ async fn settle<H: Handler>(inner: &Inner<H>, incoming: Incoming, mut stop: watc
 /// One run: dedupe and the handler in one transaction. `Ok(true)` when applied, `Ok(false)`
 /// for a duplicate.
 async fn apply<H: Handler>(
-    inner: &Inner<H>,
+    inner: &ConsumerShared<H>,
     delivery: &Delivery,
     conn: &mut AsyncPgConnection,
 ) -> std::result::Result<bool, Failed> {

@@ -66,15 +66,15 @@ pub trait Settle: Send + Sync {
 /// calls of `next` that the runner drops while they wait (so a connect is not restarted
 /// each time).
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
-pub(super) struct Link<L> {
+pub(crate) struct Reconnecting<L> {
     live: Option<L>,
     connecting: Option<BoxFuture<'static, Result<L, String>>>,
 }
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
-impl<L> Default for Link<L> {
+impl<L> Default for Reconnecting<L> {
     fn default() -> Self {
-        Link {
+        Reconnecting {
             live: None,
             connecting: None,
         }
@@ -82,10 +82,10 @@ impl<L> Default for Link<L> {
 }
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
-impl<L> Link<L> {
+impl<L> Reconnecting<L> {
     /// The live connection, opened with `connect` first if there is none (or the connect
     /// under way resumed).
-    pub(super) async fn get(
+    pub(crate) async fn get(
         &mut self,
         connect: impl FnOnce() -> BoxFuture<'static, Result<L, String>>,
     ) -> Result<&mut L, String> {
@@ -98,17 +98,17 @@ impl<L> Link<L> {
     }
 
     /// The connection is gone: the next `get` opens a new one.
-    pub(super) fn lost(&mut self) {
+    pub(crate) fn lost(&mut self) {
         self.live = None;
     }
 
     /// Ends the link, giving back the live connection to close.
-    pub(super) fn take(&mut self) -> Option<L> {
+    pub(crate) fn take(&mut self) -> Option<L> {
         self.connecting = None;
         self.live.take()
     }
 
-    pub(super) fn is_live(&self) -> bool {
+    pub(crate) fn is_live(&self) -> bool {
         self.live.is_some()
     }
 }

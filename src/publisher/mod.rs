@@ -1,12 +1,8 @@
 //! What the relay publishes to: the `Publisher` contract (the trait, its errors, the
-//! `Record` it gets, the headers every publisher sends), the closure adapter, and one
-//! folder per broker.
+//! `Record` it gets, the headers every publisher sends) and the closure adapter. The
+//! brokers' publishers live in `broker/`.
 
 mod closure;
-#[cfg(feature = "nats")]
-pub mod nats;
-#[cfg(feature = "rabbitmq")]
-pub mod rabbitmq;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -191,17 +187,6 @@ impl std::error::Error for PublishError {
 /// Results of a pipelined batch: `(index into the batch, result)`, in any order.
 pub type BatchResults<'a> =
     Pin<Box<dyn Stream<Item = (usize, Result<(), PublishError>)> + Send + 'a>>;
-
-/// A batch whose results all come at once, when `results` is done: for publishers that
-/// pipeline a whole batch and match its acknowledgements to records.
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
-pub(crate) fn all_at_once<'a>(
-    results: impl Future<Output = Vec<Result<(), PublishError>>> + Send + 'a,
-) -> BatchResults<'a> {
-    use futures_util::StreamExt;
-    let results = async move { futures_util::stream::iter(results.await.into_iter().enumerate()) };
-    Box::pin(futures_util::stream::once(results).flatten())
-}
 
 /// Where the relay ships messages: a broker adapter, or your own code.
 ///

@@ -133,16 +133,16 @@ impl Wake {
 
 /// The listener's statements for one table.
 #[derive(Debug, Clone)]
-pub(crate) struct Statements {
+pub(crate) struct ListenerStatements {
     pub(crate) listen: String,
     pub(crate) watch: Sql<NoParams>,
     pub(crate) unwatch: Sql<NoParams>,
 }
 
-impl Statements {
+impl ListenerStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         let wake_key = table.wake_lock_key();
-        Statements {
+        ListenerStatements {
             listen: format!("LISTEN \"{}\"", table.channel()),
             // Try to become the watcher, and if that fails, tell whether another relay is
             // (then writers notify) or writers hold it (then their commits must be looked
@@ -169,7 +169,7 @@ impl Statements {
 /// not, where the relay's claims wait for the pool's connection timeout.
 pub(crate) async fn run(
     pool: PgPool,
-    sql: Statements,
+    sql: ListenerStatements,
     table: String,
     wake: Arc<Wake>,
     vitals: Arc<Vitals>,
@@ -239,7 +239,7 @@ struct Released {
 
 /// Forwards notifications and keeps the wake lock as the relay wants, until the connection
 /// fails; returns why.
-async fn hold(conn: &mut AsyncPgConnection, sql: &Statements, wake: &Wake) -> String {
+async fn hold(conn: &mut AsyncPgConnection, sql: &ListenerStatements, wake: &Wake) -> String {
     // Here only: its `load` would shadow the atomics' own.
     use diesel_async::RunQueryDsl;
     let mut want_idle = wake.want_idle.subscribe();
@@ -326,5 +326,21 @@ async fn answered<T, E: std::fmt::Display>(
         Ok(Ok(value)) => Ok(value),
         Ok(Err(e)) => Err(format!("{what} failed: {e}")),
         Err(_) => Err(format!("{what} got no answer")),
+    }
+}
+
+#[cfg(test)]
+impl crate::sql::Listed for ListenerStatements {
+    fn listed(&self) -> Vec<(String, &str)> {
+        let ListenerStatements {
+            listen,
+            watch,
+            unwatch,
+        } = self;
+        vec![
+            ("watch".into(), watch.text()),
+            ("unwatch".into(), unwatch.text()),
+            ("listen".into(), listen.as_str()),
+        ]
     }
 }

@@ -4,6 +4,7 @@
 mod gauges;
 mod held;
 mod janitor;
+mod limits;
 pub(crate) mod listener;
 mod options;
 mod outage;
@@ -31,8 +32,6 @@ use self::options::Options;
 use self::outage::Outage;
 use self::publish::Slot;
 use self::store::{PgStore, Store};
-
-pub(crate) use self::run::until_stopped;
 
 /// The connection pool a relay takes its connections from.
 ///
@@ -205,7 +204,7 @@ impl<P: Publisher> RelayBuilder<P> {
             2 * self.options.lease + self.options.poll_interval,
         ));
         Ok(Relay {
-            inner: Arc::new(Inner {
+            inner: Arc::new(RelayShared {
                 outbox: self.outbox,
                 store,
                 publisher: self.publisher,
@@ -228,7 +227,7 @@ impl<P: Publisher> RelayBuilder<P> {
 /// process or many) on the same table; leases and fencing keep them from publishing a row
 /// twice except after a lease expiry or a crash.
 pub struct Relay<P> {
-    inner: Arc<Inner<P>>,
+    inner: Arc<RelayShared<P>>,
 }
 
 impl<P> Clone for Relay<P> {
@@ -249,7 +248,7 @@ impl<P> std::fmt::Debug for Relay<P> {
     }
 }
 
-struct Inner<P> {
+struct RelayShared<P> {
     outbox: Outbox,
     store: Arc<dyn Store>,
     publisher: P,
@@ -287,7 +286,7 @@ impl<P> Relay<P> {
     /// with them (publishing, waiting on a slow publish, recording, or waiting for a
     /// publishing slot): a bound on what a crash of the relay can publish twice.
     pub fn max_claimed_rows(&self) -> usize {
-        self.inner.options.batch_size * run::MAX_BATCHES
+        self.inner.options.batch_size * limits::MAX_BATCHES
     }
 }
 

@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Bool, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::Relay;
-use super::run::{Run, or_stop};
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Publisher;
+use crate::shutdown::or_stop;
 use crate::sql::{Sql, TableName, micros, statement};
 
 /// An idle (or blocked) relay renews its record in `<table>_relays` this often...
@@ -43,15 +44,15 @@ statement! {
 
 /// The presence statements of one table.
 #[derive(Debug, Clone)]
-pub(crate) struct Statements {
+pub(crate) struct PresenceStatements {
     pub(crate) relay_state: Sql<RelayState>,
     pub(crate) relay_gone: Sql<RelayGone>,
 }
 
-impl Statements {
+impl PresenceStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         let relays = table.quoted_with("_relays");
-        Statements {
+        PresenceStatements {
             relay_state: Sql::new(format!(
                 "WITH gone AS (\n\
                  \x20   DELETE FROM {relays} WHERE expires_at < now() - interval '1 minute' \
@@ -119,17 +120,28 @@ impl Outbox {
     }
 }
 
+/// How a run is named in `<table>_relays`, and its stop signal (a write never holds up a
+/// shutdown).
+pub(super) struct RunName<'a> {
+    pub(super) id: &'a str,
+    pub(super) stop: &'a watch::Receiver<bool>,
+}
+
 impl<P: Publisher> Relay<P> {
     /// Records in `<table>_relays` whether this run is idle (for operators: writers go by the
     /// wake lock). Returns whether that worked.
-    pub(super) async fn mark_idle(&self, run: &Run, idle: bool) -> bool {
+    pub(super) async fn mark_idle(&self, run: &RunName<'_>, idle: bool) -> bool {
         let blocked = self.inner.outage.since().map(|since| since.elapsed());
         self.write_state(run, idle, blocked).await
     }
 
     /// Keeps this run's outage in `<table>_relays` current: when it begins or ends, and
     /// every [`IDLE_REFRESH`] while it lasts (so its record does not lapse).
-    pub(super) async fn sync_blocked(&self, run: &Run, written: &mut (Option<Instant>, Instant)) {
+    pub(super) async fn sync_blocked(
+        &self,
+        run: &RunName<'_>,
+        written: &mut (Option<Instant>, Instant),
+    ) {
         let since = self.inner.outage.since();
         let due = since.is_some() && written.1.elapsed() >= IDLE_REFRESH;
         if since != written.0 || due {
@@ -143,13 +155,13 @@ impl<P: Publisher> Relay<P> {
 
     pub(super) async fn write_state(
         &self,
-        run: &Run,
+        run: &RunName<'_>,
         idle: bool,
         blocked: Option<Duration>,
     ) -> bool {
         let inner = &self.inner;
-        let writing = inner.store.set_state(&run.id, idle, IDLE_TTL, blocked);
-        let result = or_stop(&run.stop, writing).await.unwrap_or(Ok(()));
+        let writing = inner.store.set_state(run.id, idle, IDLE_TTL, blocked);
+        let result = or_stop(run.stop, writing).await.unwrap_or(Ok(()));
         if let Err(e) = &result {
             tracing::debug!(table = %inner.outbox.table(), error = %e, idle, "recording relay state failed");
         }
@@ -157,11 +169,25 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Removes this run's record in `<table>_relays` (and any expired ones).
-    pub(super) async fn forget(&self, run: &Run) {
+    pub(super) async fn forget(&self, run: &RunName<'_>) {
         let inner = &self.inner;
-        let result = inner.store.forget(&run.id).await;
+        let result = inner.store.forget(run.id).await;
         if let Err(e) = result {
             tracing::debug!(table = %inner.outbox.table(), error = %e, "removing relay state failed");
         }
+    }
+}
+
+#[cfg(test)]
+impl crate::sql::Listed for PresenceStatements {
+    fn listed(&self) -> Vec<(String, &str)> {
+        let PresenceStatements {
+            relay_state,
+            relay_gone,
+        } = self;
+        vec![
+            ("relay_state".into(), relay_state.text()),
+            ("relay_gone".into(), relay_gone.text()),
+        ]
     }
 }

@@ -15,9 +15,10 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::Relay;
-use super::run::MAX_STALLED;
+use super::limits::MAX_STALLED;
 use super::store::{Batch, Claimed, Outcome};
-use crate::publisher::{PublishError, Publisher, Record};
+use crate::publisher::{BatchResults, PublishError, Publisher, Record};
+use crate::shutdown::until_stopped;
 use tracing::Instrument;
 
 /// A batch whose wave has run this long with nothing left to start is stalled: it gives its
@@ -26,6 +27,38 @@ pub(super) const STALL: Duration = Duration::from_secs(1);
 
 /// The result of one record's publish; `None` when it was never started or was cut off.
 type Published = Option<(Result<(), PublishError>, Duration)>;
+
+/// The records of a wave, their fencing tokens, and which of them have an outcome.
+struct Open<'a> {
+    records: &'a [Record],
+    tokens: &'a [i64],
+    settled: Vec<bool>,
+}
+
+/// What a wave's one-by-one publishes look at before each starts.
+struct Started<'a> {
+    stop: watch::Receiver<bool>,
+    claimed_at: Instant,
+    /// Records whose turn has come (started, or skipped).
+    begun: &'a AtomicUsize,
+    /// Set once a publish of this wave found the broker unavailable.
+    unavailable: &'a AtomicBool,
+}
+
+/// A pipelined batch's results, each with the time since the wave began; a panic in the
+/// stream becomes one item with index `usize::MAX`.
+fn all_results<'a>(
+    pipelined: BatchResults<'a>,
+    wave_start: Instant,
+) -> BoxStream<'a, (usize, Published)> {
+    AssertUnwindSafe(pipelined)
+        .catch_unwind()
+        .map(move |item| match item {
+            Ok((i, r)) => (i, Some((r, wave_start.elapsed()))),
+            Err(_) => (usize::MAX, None),
+        })
+        .boxed()
+}
 
 /// A batch's place in the relay's pipeline.
 pub(super) struct Slot {
@@ -380,21 +413,16 @@ impl<P: Publisher> Relay<P> {
         let options = &inner.options;
         let (records, tokens): (Vec<Record>, Vec<i64>) =
             go.into_iter().map(|c| (c.record, c.token)).unzip();
-        let mut settled = vec![false; records.len()];
+        let mut open = Open {
+            records: &records,
+            tokens: &tokens,
+            settled: vec![false; records.len()],
+        };
         let wave_start = Instant::now();
-        // A publish may take half the lease, and must end a margin before the lease does.
-        let half = options.lease / 2;
-        let hard = self.hard_deadline(wave.claimed_at);
         let stall_after = STALL.min(options.lease / 8);
         // Records whose turn has come (started, or skipped): once all have, only slow
         // publishes can keep the wave going.
         let begun = AtomicUsize::new(0);
-        // Past the publisher's own timeout, so that it reports first (the RabbitMQ
-        // publisher yields every result only once all are in).
-        let own = inner
-            .publisher
-            .timeout()
-            .map_or(half, |t| half.max(t + options.lease / 20));
         // Set once a publish of this wave found the broker unavailable: start no more.
         let unavailable = AtomicBool::new(false);
         let pipelined =
@@ -411,59 +439,18 @@ impl<P: Publisher> Relay<P> {
             match pipelined {
                 Ok(Some(pipelined)) => {
                     begun.store(records.len(), Ordering::SeqCst);
-                    let stream = AssertUnwindSafe(pipelined)
-                        .catch_unwind()
-                        .map(move |item| match item {
-                            Ok((i, r)) => (i, Some((r, wave_start.elapsed()))),
-                            Err(_) => (usize::MAX, None),
-                        })
-                        .boxed();
-                    (stream, Some((wave_start + own).min(hard)))
+                    let deadline =
+                        (wave_start + self.own_timeout()).min(self.hard_deadline(wave.claimed_at));
+                    (all_results(pipelined, wave_start), Some(deadline))
                 }
                 Ok(None) => {
-                    let stop = wave.drain.stop.clone();
-                    let (begun, unavailable) = (&begun, &unavailable);
-                    let claimed_at = wave.claimed_at;
-                    let stream = stream::iter(records.iter().enumerate())
-                        .map(move |(i, record)| {
-                            let stop = stop.clone();
-                            async move {
-                                // Futures start when first polled: a record whose turn comes
-                                // after shutdown, during an outage, or too late in the lease
-                                // is never started (it is released).
-                                begun.fetch_add(1, Ordering::SeqCst);
-                                let stopping = *stop.borrow();
-                                if stopping
-                                    || unavailable.load(Ordering::SeqCst)
-                                    || self.too_late(claimed_at)
-                                {
-                                    return (i, None);
-                                }
-                                let started = Instant::now();
-                                let deadline = (started + own).min(hard).max(started);
-                                // The call itself may panic, not only its future.
-                                let publish = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                                    inner.publisher.publish(record)
-                                }));
-                                let result = match publish {
-                                    Err(_) => Err(panicked()),
-                                    Ok(publish) => {
-                                        let publish = AssertUnwindSafe(publish)
-                                            .catch_unwind()
-                                            .instrument(self.publish_span(record));
-                                        match tokio::time::timeout_at(deadline, publish).await {
-                                            Ok(Ok(result)) => result,
-                                            Ok(Err(_)) => Err(panicked()),
-                                            Err(_) => Err(timed_out(deadline - started)),
-                                        }
-                                    }
-                                };
-                                (i, Some((result, started.elapsed())))
-                            }
-                        })
-                        .buffer_unordered(options.concurrency)
-                        .boxed();
-                    (stream, None)
+                    let started = Started {
+                        stop: wave.drain.stop.clone(),
+                        claimed_at: wave.claimed_at,
+                        begun: &begun,
+                        unavailable: &unavailable,
+                    };
+                    (self.one_by_one(&records, started), None)
                 }
                 Err(_) => {
                     // `publish_batch` itself panicked: every record of the wave fails.
@@ -476,53 +463,18 @@ impl<P: Publisher> Relay<P> {
         let mut stop = wave.drain.stop.clone();
         let mut stall_check = tokio::time::interval_at(wave_start + stall_after, stall_after);
         let far = || Instant::now() + Duration::from_secs(86_400);
-        'wave: loop {
+        loop {
             tokio::select! {
                 item = stream.next() => {
-                    let mut item = item;
-                    // Take every result that is ready, so a stalled batch records them in one
-                    // statement.
-                    loop {
-                        match item {
-                            Some((usize::MAX, _)) => {
-                                // The pipelined stream panicked: what has no result failed.
-                                for (i, done) in settled.iter_mut().enumerate() {
-                                    if !*done {
-                                        *done = true;
-                                        let failed = Some((Err(panicked()), wave_start.elapsed()));
-                                        self.settle(&records[i], tokens[i], failed, wave, outcomes);
-                                    }
-                                }
-                                break 'wave;
-                            }
-                            Some((i, result)) => {
-                                if let Some((Err(e), _)) = &result
-                                    && e.is_unavailable()
-                                {
-                                    unavailable.store(true, Ordering::SeqCst);
-                                }
-                                if i < records.len() && !settled[i] {
-                                    settled[i] = true;
-                                    self.settle(&records[i], tokens[i], result, wave, outcomes);
-                                }
-                            }
-                            None => break 'wave,
-                        }
-                        match stream.next().now_or_never() {
-                            Some(next) => item = next,
-                            None => break,
-                        }
+                    let more = self.take_ready(item, &mut stream, &mut open, &unavailable, wave, outcomes, wave_start);
+                    if !more {
+                        break;
                     }
                     outcomes.flush_if_idle();
                 }
                 () = tokio::time::sleep_until(wave_deadline.unwrap_or_else(far)), if wave_deadline.is_some() => {
                     let after = wave_deadline.unwrap_or(wave_start) - wave_start;
-                    for (i, done) in settled.iter_mut().enumerate() {
-                        if !*done {
-                            *done = true;
-                            self.settle(&records[i], tokens[i], Some((Err(timed_out(after)), after)), wave, outcomes);
-                        }
-                    }
+                    self.settle_open(&mut open, || Some((Err(timed_out(after)), after)), wave, outcomes);
                     break;
                 }
                 _ = stall_check.tick() => {
@@ -534,7 +486,7 @@ impl<P: Publisher> Relay<P> {
                         outcomes.flush_if_idle();
                     }
                 }
-                () = super::run::until_stopped(&mut stop), if wave.drain.deadline.is_none() => {
+                () = until_stopped(&mut stop), if wave.drain.deadline.is_none() => {
                     wave.drain.deadline = Some(Instant::now() + options.drain_timeout);
                     tracing::info!(
                         table = %inner.outbox.table(), drain_timeout = ?options.drain_timeout,
@@ -549,12 +501,131 @@ impl<P: Publisher> Relay<P> {
         }
         drop(stream);
         // Cut off by the drain deadline, or never started.
-        for (i, done) in settled.iter().enumerate() {
-            if !*done {
-                self.settle(&records[i], tokens[i], None, wave, outcomes);
+        self.settle_open(&mut open, || None, wave, outcomes);
+        outcomes.flush_if_idle();
+    }
+
+    /// How long a publish may take: half the lease, or past the publisher's own timeout, so
+    /// that it reports first (the RabbitMQ publisher yields every result only once all are
+    /// in).
+    fn own_timeout(&self) -> Duration {
+        let lease = self.inner.options.lease;
+        let half = lease / 2;
+        self.inner
+            .publisher
+            .timeout()
+            .map_or(half, |t| half.max(t + lease / 20))
+    }
+
+    /// The wave's records published one by one, up to `concurrency` at a time, each within
+    /// its deadline, a panic failing only its own record.
+    fn one_by_one<'a>(
+        &'a self,
+        records: &'a [Record],
+        started: Started<'a>,
+    ) -> BoxStream<'a, (usize, Published)> {
+        let started = Arc::new(started);
+        stream::iter(records.iter().enumerate())
+            .map(move |(i, record)| {
+                let started = started.clone();
+                async move { (i, self.publish_one(record, &started).await) }
+            })
+            .buffer_unordered(self.inner.options.concurrency)
+            .boxed()
+    }
+
+    /// One record's publish. Futures start when first polled: a record whose turn comes
+    /// after shutdown, during an outage, or too late in the lease is never started (`None`:
+    /// it is released).
+    async fn publish_one(&self, record: &Record, wave: &Started<'_>) -> Published {
+        wave.begun.fetch_add(1, Ordering::SeqCst);
+        let stopping = *wave.stop.borrow();
+        if stopping || wave.unavailable.load(Ordering::SeqCst) || self.too_late(wave.claimed_at) {
+            return None;
+        }
+        let started = Instant::now();
+        let hard = self.hard_deadline(wave.claimed_at);
+        let deadline = (started + self.own_timeout()).min(hard).max(started);
+        // The call itself may panic, not only its future.
+        let publish =
+            std::panic::catch_unwind(AssertUnwindSafe(|| self.inner.publisher.publish(record)));
+        let result = match publish {
+            Err(_) => Err(panicked()),
+            Ok(publish) => {
+                let publish = AssertUnwindSafe(publish)
+                    .catch_unwind()
+                    .instrument(self.publish_span(record));
+                match tokio::time::timeout_at(deadline, publish).await {
+                    Ok(Ok(result)) => result,
+                    Ok(Err(_)) => Err(panicked()),
+                    Err(_) => Err(timed_out(deadline - started)),
+                }
+            }
+        };
+        Some((result, started.elapsed()))
+    }
+
+    /// Settles `item` and every result that is ready behind it, so a stalled batch records
+    /// them in one statement. Returns whether the wave goes on.
+    #[allow(clippy::too_many_arguments)]
+    fn take_ready(
+        &self,
+        mut item: Option<(usize, Published)>,
+        stream: &mut BoxStream<'_, (usize, Published)>,
+        open: &mut Open<'_>,
+        unavailable: &AtomicBool,
+        wave: &mut Wave<'_>,
+        outcomes: &mut Outcomes<P>,
+        wave_start: Instant,
+    ) -> bool {
+        loop {
+            match item {
+                Some((usize::MAX, _)) => {
+                    // The pipelined stream panicked: what has no result failed.
+                    let failed = || Some((Err(panicked()), wave_start.elapsed()));
+                    self.settle_open(open, failed, wave, outcomes);
+                    return false;
+                }
+                Some((i, result)) => {
+                    if let Some((Err(e), _)) = &result
+                        && e.is_unavailable()
+                    {
+                        unavailable.store(true, Ordering::SeqCst);
+                    }
+                    if i < open.records.len() && !open.settled[i] {
+                        open.settled[i] = true;
+                        self.settle(&open.records[i], open.tokens[i], result, wave, outcomes);
+                    }
+                }
+                None => return false,
+            }
+            match stream.next().now_or_never() {
+                Some(next) => item = next,
+                None => return true,
             }
         }
-        outcomes.flush_if_idle();
+    }
+
+    /// Settles every record of the wave still without an outcome with `published()`.
+    fn settle_open(
+        &self,
+        open: &mut Open<'_>,
+        published: impl Fn() -> Published,
+        wave: &mut Wave<'_>,
+        outcomes: &mut Outcomes<P>,
+    ) {
+        for (i, done) in open.settled.iter_mut().enumerate() {
+            if !*done {
+                *done = true;
+                self.settle(
+                    &open.records[i],
+                    open.tokens[i],
+                    published(),
+                    wave,
+                    outcomes,
+                );
+            }
+        }
     }
 
     /// The span of one record's publish: a child of the enqueuing span on the first

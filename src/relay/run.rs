@@ -26,28 +26,20 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use super::limits::{MAX_STALLED, PIPELINE, RECORD_GRACE};
 use super::listener::{self, WATCH_RETRY, Wake, Watch};
-use super::presence::IDLE_REFRESH;
+use super::presence::{IDLE_REFRESH, RunName};
 use super::publish::Slot;
 use super::store::{Batch, Outcome};
 use super::{Relay, gauges, janitor};
 use crate::error::{Error, Result};
 use crate::publisher::Publisher;
+use crate::shutdown::{AbortOnDrop, or_stop, until_stopped};
 use crate::streak::{Loudness, Streak};
 
-/// Claimed batches publishing at once.
-pub(super) const PIPELINE: usize = 3;
-/// Stalled batches (waiting only on slow publishes) the relay keeps beside its pipeline
-/// before it waits for their deadlines.
-pub(super) const MAX_STALLED: usize = 3 * PIPELINE;
-/// The most batches a run holds at once: fewer than two pipelines' worth publishing or
-/// recording when it claims, the stalled ones beside them, and the one claimed then.
-pub(super) const MAX_BATCHES: usize = 2 * PIPELINE + MAX_STALLED;
-/// At shutdown, recording outcomes may take this long after the drain timeout.
-pub(super) const RECORD_GRACE: Duration = Duration::from_secs(1);
 /// While batches are in flight, the relay looks for new work this often, and a quarter as
 /// often after each look that found nothing, down to once per [`BUSY_POLL_MAX`] (and never
 /// less often than the poll interval). A look is a claim, which behind a long run of one
@@ -72,46 +64,12 @@ pub(super) struct Run {
     pub(super) stalled: Arc<AtomicUsize>,
 }
 
-/// Completes once `stop` turns true (or its sender is gone).
-pub(crate) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
-    // The guard `wait_for` returns is not `Send`: drop it here, not across an await.
-    let _ = stop.wait_for(|stopping| *stopping).await.map(|_| ());
-}
-
-/// `work`'s output, or `None` if `stop` turns true first (then `work` is dropped): the
-/// relay's own database work never holds up a shutdown.
-pub(super) async fn or_stop<T>(
-    stop: &watch::Receiver<bool>,
-    work: impl Future<Output = T>,
-) -> Option<T> {
-    let mut stop = stop.clone();
-    tokio::select! {
-        out = work => Some(out),
-        () = until_stopped(&mut stop) => None,
-    }
-}
-
-/// Aborts a background task when dropped, so a dropped relay leaks nothing.
-struct AbortOnDrop(Option<JoinHandle<()>>);
-
-impl AbortOnDrop {
-    fn new(task: JoinHandle<()>) -> Self {
-        AbortOnDrop(Some(task))
-    }
-
-    /// Aborts the task and waits until it is gone (so it changes no state afterwards).
-    async fn stop(mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
-            let _ = task.await;
-        }
-    }
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if let Some(task) = &self.0 {
-            task.abort();
+impl Run {
+    /// How this run is named in `<table>_relays`.
+    fn name(&self) -> RunName<'_> {
+        RunName {
+            id: &self.id,
+            stop: &self.stop,
         }
     }
 }
@@ -337,7 +295,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
                 break Ok(());
             }
             self.relay
-                .sync_blocked(self.run, &mut self.blocked_written)
+                .sync_blocked(&self.run.name(), &mut self.blocked_written)
                 .await;
             let backing_off = self.relay.inner.outage.retry_at();
             self.start_waiting(backing_off);
@@ -415,7 +373,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
                 // Busy: writers need not notify; let the wake lock go.
                 self.run.wake.want_idle(false);
                 if self.marked_idle {
-                    self.marked_idle = !self.relay.mark_idle(self.run, false).await;
+                    self.marked_idle = !self.relay.mark_idle(&self.run.name(), false).await;
                 }
                 self.claim_more = batch.claimed() >= options.batch_size;
                 self.waiting = Some(batch);
@@ -564,7 +522,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
                     }
                     if Instant::now() >= self.idle_written + IDLE_REFRESH {
                         // Keep the record from lapsing.
-                        relay.mark_idle(run, true).await;
+                        relay.mark_idle(&run.name(), true).await;
                         self.idle_written = Instant::now();
                     }
                 }
@@ -577,7 +535,7 @@ impl<'a, P: Publisher> Loop<'a, P> {
     /// recent (the record lapses unless renewed).
     async fn record_idle(&mut self) {
         if !self.marked_idle || Instant::now() >= self.idle_written + IDLE_REFRESH {
-            self.marked_idle = self.relay.mark_idle(self.run, true).await;
+            self.marked_idle = self.relay.mark_idle(&self.run.name(), true).await;
             self.idle_written = Instant::now();
         }
     }
@@ -609,7 +567,11 @@ impl<'a, P: Publisher> Loop<'a, P> {
             self.relay.finished(done);
         }
         // Housekeeping only: the record lapses by itself.
-        let _ = tokio::time::timeout(Duration::from_millis(200), self.relay.forget(self.run)).await;
+        let _ = tokio::time::timeout(
+            Duration::from_millis(200),
+            self.relay.forget(&self.run.name()),
+        )
+        .await;
         result
     }
 }
@@ -833,7 +795,12 @@ mod tests {
     }
 
     /// Runs `relay` until the returned sender fires (or is dropped).
-    fn spawn(relay: &Relay<Gate>) -> (tokio::sync::oneshot::Sender<()>, JoinHandle<Result<()>>) {
+    fn spawn(
+        relay: &Relay<Gate>,
+    ) -> (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<()>>,
+    ) {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let relay = relay.clone();
         let task = tokio::spawn(async move {

@@ -15,8 +15,8 @@ use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
 use super::held::Hold;
+use super::limits::RECORD_GRACE;
 use super::options::Options;
-use super::run::{RECORD_GRACE, until_stopped};
 use super::{PgPool, Relay};
 use crate::backoff::Backoff;
 use crate::error::Error;
@@ -24,6 +24,7 @@ use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Publisher;
 use crate::publisher::Record;
+use crate::shutdown::until_stopped;
 use crate::sql::{Bound, NoParams, Sql, TableName, micros, statement};
 
 /// The longest run of one aggregate's messages a claim takes behind its head.
@@ -33,7 +34,7 @@ pub(crate) const MAX_RUN: usize = 1_000;
 pub(crate) const MAX_ERROR_BYTES: usize = 2_000;
 
 statement! {
-    /// Claims a batch: see [`Statements::render`] for how.
+    /// Claims a batch: see [`StoreStatements::render`] for how.
     pub(crate) struct Claim {
         batch_size: BigInt = i64,
         lease_us: BigInt = i64,
@@ -71,16 +72,16 @@ const CHECK_WINDOW: usize = 8;
 
 /// The claim's statements for one table.
 #[derive(Debug, Clone)]
-pub(crate) struct Statements {
+pub(crate) struct StoreStatements {
     pub(crate) claim: Sql<Claim>,
     pub(crate) due: Sql<NoParams>,
     pub(crate) record_outcomes: Sql<RecordOutcomes>,
 }
 
-impl Statements {
+impl StoreStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         let t = table.quoted();
-        Statements {
+        StoreStatements {
             // Heads are pending rows with no older pending row in their aggregate. Behind
             // each aggregate head on its first attempt the claim also takes the run of its
             // due successors; the relay publishes such a run one message at a time. The
@@ -384,7 +385,7 @@ impl Outcome {
 }
 
 impl Outbox {
-    /// Claims up to `batch_size` due rows with one statement (see `Statements::claim`),
+    /// Claims up to `batch_size` due rows with one statement (see `StoreStatements::claim`),
     /// leaving the `held` rows alone.
     pub(crate) async fn claim(
         &self,
@@ -504,7 +505,7 @@ impl Outbox {
 /// one, [`PgStore`], runs them on the pool; the relay's own unit tests drive the loop on one
 /// in memory.
 pub(crate) trait Store: Send + Sync + 'static {
-    /// Claims a batch (see [`Statements::render`]), leaving the `held` rows alone.
+    /// Claims a batch (see [`StoreStatements::render`]), leaving the `held` rows alone.
     fn claim<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>>;
     /// Records outcomes; returns how many were fenced off.
     fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>>;
@@ -709,6 +710,22 @@ pub(crate) fn error_text(err: &dyn std::fmt::Display) -> String {
         text.truncate(cut);
     }
     text
+}
+
+#[cfg(test)]
+impl crate::sql::Listed for StoreStatements {
+    fn listed(&self) -> Vec<(String, &str)> {
+        let StoreStatements {
+            claim,
+            due,
+            record_outcomes,
+        } = self;
+        vec![
+            ("claim".into(), claim.text()),
+            ("due".into(), due.text()),
+            ("record_outcomes".into(), record_outcomes.text()),
+        ]
+    }
 }
 
 #[cfg(test)]

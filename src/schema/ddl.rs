@@ -181,3 +181,34 @@ impl Ddl {
         out
     }
 }
+
+#[cfg(test)]
+impl crate::sql::Listed for Ddl {
+    fn listed(&self) -> Vec<(String, &str)> {
+        let Ddl {
+            create_schema,
+            create_migrations,
+            select_versions,
+            record_version,
+            migrations,
+        } = self;
+        let mut listed: Vec<(String, &str)> = vec![
+            (
+                "create_schema".into(),
+                create_schema.as_deref().unwrap_or_default(),
+            ),
+            ("create_migrations".into(), create_migrations),
+            ("select_versions".into(), select_versions.text()),
+            ("record_version".into(), record_version.text()),
+        ];
+        for (version, Migration { up, down }) in (1..).zip(migrations) {
+            for (i, up) in up.iter().enumerate() {
+                listed.push((format!("migration {version} up {i}"), up));
+            }
+            for (i, down) in down.iter().enumerate() {
+                listed.push((format!("migration {version} down {i}"), down));
+            }
+        }
+        listed
+    }
+}

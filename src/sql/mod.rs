@@ -7,7 +7,7 @@
 //! parameter does not compile, and every parameter is bound exactly where the text uses it.
 //!
 //! The text is rendered once, when an [`Outbox`](crate::Outbox) is built, into a [`Sql`].
-//! Each statement lives beside the code that runs it; [`Statements`] only gathers them per
+//! Each statement lives beside the code that runs it; [`TableStatements`] only gathers them per
 //! table. Identifiers come from a validated [`TableName`] and are always quoted; every
 //! value is a bound parameter. Durations are bound as microseconds (`bigint`) and turned
 //! into intervals by PostgreSQL, so all times come from the database clock.
@@ -29,7 +29,9 @@ use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::Untyped;
 
-pub(crate) use self::statements::Statements;
+#[cfg(test)]
+pub(crate) use self::statements::Listed;
+pub(crate) use self::statements::TableStatements;
 pub(crate) use self::table::TableName;
 pub use self::table::WAKE_LOCK_CLASS;
 

@@ -270,6 +270,9 @@ SELECT pg_try_advisory_lock(1869968503, '"sales"."orders_outbox"'::regclass::oid
 -- unwatch
 SELECT pg_advisory_unlock(1869968503, '"sales"."orders_outbox"'::regclass::oid::int4) AS released;
 
+-- listen
+LISTEN "sales.orders_outbox_wake";
+
 -- relay_state
 WITH gone AS (
     DELETE FROM "sales"."orders_outbox_relays" WHERE expires_at < now() - interval '1 minute' AND relay_id <> $1
@@ -278,6 +281,3 @@ INSERT INTO "sales"."orders_outbox_relays" (relay_id, idle, expires_at, blocked_
 
 -- relay_gone
 DELETE FROM "sales"."orders_outbox_relays" WHERE relay_id = $1 OR expires_at < now();
-
--- listen
-LISTEN "sales.orders_outbox_wake";

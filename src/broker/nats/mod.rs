@@ -70,6 +70,7 @@
 mod connection;
 mod pipeline;
 mod properties;
+pub(crate) mod source;
 mod topology;
 
 use std::fmt;
@@ -84,7 +85,7 @@ pub(crate) use self::connection::{Servers, connected};
 pub(crate) use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
 pub use self::topology::Topology;
 use crate::error::{Error, Result};
-use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
+use crate::publisher::PublishError;
 use crate::tls::Tls;
 
 /// Far above what the relay ever has in flight (pipelined batches of at most 10,000).
@@ -267,29 +268,7 @@ pub(crate) fn secured(
     Ok(servers)
 }
 
-impl Publisher for JetStreamPublisher {
-    async fn publish(&self, record: &Record) -> std::result::Result<(), PublishError> {
-        self.publish_pipelined(std::slice::from_ref(record))
-            .await
-            .pop()
-            .expect("one result per record")
-    }
-
-    fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
-        Some(all_at_once(self.publish_pipelined(records)))
-    }
-
-    fn timeout(&self) -> Option<Duration> {
-        Some(self.ack_timeout)
-    }
-
-    fn fit_timeout(&mut self, max: Duration) {
-        if !self.ack_timeout_set && self.ack_timeout > max {
-            self.ack_timeout = max;
-            self.jetstream = context(&self.client, max);
-        }
-    }
-}
+crate::broker::pipeline::pipelined_publisher!(JetStreamPublisher);
 
 /// Whether some stream captures subjects under `prefix` (one of its subject filters starts
 /// with the prefix, or matches a subject under it); an error when the streams cannot be

@@ -1,12 +1,5 @@
-//! The RabbitMQ source (feature `rabbitmq`): one queue, consumed with manual
-//! acknowledgements and a prefetch of the consumer's concurrency.
-//!
-//! A message becomes a [`Delivery`]: its message id is the key, its routing key the topic,
-//! `x-outbox-attempt` the attempt and `x-outbox-aggregate-key` the aggregate key; string
-//! headers are the delivery's headers. A message without a message id cannot be
-//! deduplicated: it is rejected (to the queue's dead-letter exchange, if it has one) and
-//! logged. The connection is reopened by itself after a loss; URLs and passwords never
-//! appear in its `Debug` output, its errors or its logs.
+//! The consumer runner's RabbitMQ source, public as `consumer::rabbitmq::Source` (its
+//! docs are there).
 
 use std::fmt;
 use std::time::Duration;
@@ -21,10 +14,9 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection};
 
-use super::Delivery;
-use super::source::{Incoming, Link, Settle};
+use super::Endpoint;
+use crate::consumer::{Delivery, Incoming, Reconnecting, Settle};
 use crate::error::BoxError;
-use crate::publisher::rabbitmq::Endpoint;
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 use crate::tls::Tls;
 
@@ -34,7 +26,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// without the subscription saying so is reopened.
 const LIVENESS_CHECK: Duration = Duration::from_secs(1);
 
-/// A RabbitMQ queue as the source of a [`Consumer`](super::Consumer).
+/// A RabbitMQ queue as the source of a [`Consumer`](crate::consumer::Consumer).
 pub struct Source {
     url: String,
     /// The broker: the URL parsed and the TLS files read (or why that failed, which the
@@ -42,7 +34,7 @@ pub struct Source {
     endpoint: Result<Endpoint, String>,
     queue: String,
     tag: String,
-    link: Link<Live>,
+    link: Reconnecting<Live>,
 }
 
 struct Live {
@@ -72,7 +64,7 @@ impl Source {
             endpoint: Endpoint::new(url.as_ref(), None),
             queue: queue.into(),
             tag: format!("diesel-outbox-{}", uuid::Uuid::new_v4().simple()),
-            link: Link::default(),
+            link: Reconnecting::default(),
         }
     }
 
@@ -142,7 +134,7 @@ async fn connect(
     }
 }
 
-impl super::Source for Source {
+impl crate::consumer::Source for Source {
     fn check(&self) -> Result<(), BoxError> {
         self.endpoint.as_ref().map_err(|e| e.clone())?;
         if self.queue.len() > 255 {
@@ -179,7 +171,7 @@ impl super::Source for Source {
             exists
         };
         match tokio::time::timeout(CONNECT_TIMEOUT, check).await {
-            Ok(Err(e)) if crate::publisher::rabbitmq::not_found(&e) => Err(format!(
+            Ok(Err(e)) if super::not_found(&e) => Err(format!(
                 "queue `{}` does not exist on RabbitMQ at {}: declare it (rabbitmq::Topology, \
                  or diesel-outbox declare) or fix the name",
                 self.queue, endpoint.name

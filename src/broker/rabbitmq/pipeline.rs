@@ -2,120 +2,136 @@
 //! broker's confirms and returns matched to their records in whatever order they come.
 
 use std::collections::HashMap;
-use std::future::Future;
 
-use futures_util::stream::FuturesUnordered;
-use futures_util::{FutureExt, StreamExt};
-use lapin::Confirmation;
 use lapin::options::BasicPublishOptions;
+use lapin::{Confirmation, PublisherConfirm};
 use tokio::time::Instant;
 
 use super::RabbitMqPublisher;
 use super::connection::{Lent, classify, closed_by_broker_side};
 use super::properties::properties;
+use crate::broker::pipeline::{Ended, Pipelined, Results, Unsent};
 use crate::publisher::{PublishError, Record};
 
+/// One batch on its way: the channel it is published on, and its confirms so far.
+pub(crate) struct Batch {
+    lent: Lent,
+    confirms: Confirms,
+}
+
 impl RabbitMqPublisher {
-    /// Publishes every record, then awaits every confirm; the whole batch, connecting
-    /// included, within the confirm timeout.
-    pub(super) async fn publish_pipelined(
-        &self,
-        records: &[Record],
-    ) -> Vec<std::result::Result<(), PublishError>> {
-        let deadline = Instant::now() + self.confirm_timeout;
-        let all = |err: &dyn Fn() -> PublishError| records.iter().map(|_| Err(err())).collect();
+    /// The connection is blocked by a resource alarm: an outage.
+    fn blocked(&self) -> PublishError {
+        PublishError::unavailable(self.blocked_reason())
+    }
+
+    fn blocked_reason(&self) -> String {
+        format!(
+            "RabbitMQ at {} blocked the connection (a resource alarm is on)",
+            self.endpoint.name
+        )
+    }
+}
+
+/// Every record published, then every confirm awaited; the whole batch, connecting
+/// included, within the confirm timeout.
+impl Pipelined for RabbitMqPublisher {
+    type Batch = Batch;
+    type Ack = PublisherConfirm;
+    type Acked = lapin::Result<Confirmation>;
+
+    fn timeout(&self) -> std::time::Duration {
+        self.confirm_timeout
+    }
+
+    fn fit_timeout(&mut self, max: std::time::Duration) {
+        if !self.confirm_timeout_set {
+            self.confirm_timeout = self.confirm_timeout.min(max);
+        }
+    }
+
+    async fn open(&self, n: usize, deadline: Instant) -> Result<Batch, String> {
         let lent = match tokio::time::timeout_at(deadline, self.channel()).await {
             Ok(Ok(lent)) => lent,
-            Ok(Err(why)) => return all(&|| PublishError::unavailable(why.clone())),
+            Ok(Err(why)) => return Err(why),
             Err(_) => {
-                return all(&|| {
-                    PublishError::unavailable(format!(
-                        "no channel on RabbitMQ at {} within {:?}",
-                        self.endpoint.name, self.confirm_timeout
-                    ))
-                });
+                return Err(format!(
+                    "no channel on RabbitMQ at {} within {:?}",
+                    self.endpoint.name, self.confirm_timeout
+                ));
             }
         };
-        let Lent {
-            channel,
-            status,
-            frame_max,
-        } = lent;
-        let blocked = || {
-            PublishError::unavailable(format!(
-                "RabbitMQ at {} blocked the connection (a resource alarm is on)",
-                self.endpoint.name
-            ))
-        };
-        if status.blocked() {
-            return all(&blocked);
+        if lent.status.blocked() {
+            return Err(self.blocked_reason());
         }
-        let mut confirms = Confirms::new(records);
+        Ok(Batch {
+            lent,
+            confirms: Confirms::new(n),
+        })
+    }
+
+    async fn send(&self, batch: &Batch, record: &Record) -> Result<PublisherConfirm, Unsent> {
+        let (routing_key, properties) =
+            properties(record, batch.lent.frame_max).map_err(Unsent::alone)?;
         let options = BasicPublishOptions {
             mandatory: self.mandatory,
             immediate: false,
         };
-        let pending = FuturesUnordered::new();
-        let mut unwritten: Option<PublishError> = None;
-        for (i, record) in records.iter().enumerate() {
-            if let Some(why) = &unwritten {
-                confirms.fail(i, PublishError::unavailable(why.to_string()));
-                continue;
-            }
-            let (routing_key, properties) = match properties(record, frame_max) {
-                Ok(p) => p,
-                Err(e) => {
-                    confirms.fail(i, e);
-                    continue;
-                }
-            };
-            let publish = channel.basic_publish(
-                self.exchange.clone(),
-                routing_key,
-                options,
-                &record.payload,
-                properties,
-            );
-            match tokio::time::timeout_at(deadline, publish).await {
-                Ok(Ok(confirm)) => pending.push(async move { (i, settled(confirm.await)) }),
-                Ok(Err(e)) => {
-                    // Not written: the channel or the connection is gone.
-                    let err = classify(&e, format!("publish failed: {e}"));
-                    if err.is_unavailable() {
-                        unwritten = Some(PublishError::unavailable(format!("publish failed: {e}")));
-                    }
-                    confirms.fail(i, err);
-                }
-                Err(_) => {
-                    // The writer is stuck: a blocked connection stops lapin writing (an
-                    // outage); on a healthy one this record could not be written in time
-                    // (charged, so a record that never goes through ends dead), and the
-                    // rest is released.
-                    let why = if status.blocked() {
-                        blocked()
-                    } else {
-                        PublishError::transient(format!(
-                            "RabbitMQ at {} took not all of this message's frames within {:?}",
-                            self.endpoint.name, self.confirm_timeout
-                        ))
-                    };
-                    unwritten = Some(PublishError::unavailable(format!(
-                        "not written: an earlier message of the batch could not be written \
-                         within {:?}",
-                        self.confirm_timeout
-                    )));
-                    confirms.fail(i, why);
-                }
-            }
+        let publish = batch.lent.channel.basic_publish(
+            self.exchange.clone(),
+            routing_key,
+            options,
+            &record.payload,
+            properties,
+        );
+        publish.await.map_err(|e| {
+            // Not written: the channel or the connection is gone.
+            let error = classify(&e, format!("publish failed: {e}"));
+            let rest = error
+                .is_unavailable()
+                .then(|| format!("publish failed: {e}"));
+            Unsent { error, rest }
+        })
+    }
+
+    fn send_timed_out(&self, batch: &Batch) -> Unsent {
+        // The writer is stuck: a blocked connection stops lapin writing (an outage); on a
+        // healthy one this record could not be written in time (charged, so a record that
+        // never goes through ends dead), and the rest is released.
+        let error = if batch.lent.status.blocked() {
+            self.blocked()
+        } else {
+            PublishError::transient(format!(
+                "RabbitMQ at {} took not all of this message's frames within {:?}",
+                self.endpoint.name, self.confirm_timeout
+            ))
+        };
+        Unsent {
+            error,
+            rest: Some(format!(
+                "not written: an earlier message of the batch could not be written within {:?}",
+                self.confirm_timeout
+            )),
         }
-        let complete = gather(pending, deadline, &mut confirms).await;
-        if !complete {
+    }
+
+    fn fail(&self, batch: &mut Batch, i: usize, err: PublishError) {
+        batch.confirms.fail(i, err);
+    }
+
+    fn settle(&self, batch: &mut Batch, i: usize, _: &Record, acked: lapin::Result<Confirmation>) {
+        let (settled, returned) = settled(acked);
+        batch.confirms.settle(i, settled, returned);
+    }
+
+    fn finish(&self, batch: Batch, records: &[Record], ended: Ended) -> Results {
+        if !ended.complete {
             tracing::warn!(endpoint = %self.endpoint.name, timeout = ?self.confirm_timeout, "RabbitMQ confirm timeout");
         }
-        let exchange = self.exchange.as_str();
+        let Batch { lent, confirms } = batch;
         let timed_out = || {
-            if status.blocked() {
-                blocked()
+            if lent.status.blocked() {
+                self.blocked()
             } else {
                 PublishError::transient(format!(
                     "no confirm within the confirm timeout ({:?})",
@@ -123,15 +139,16 @@ impl RabbitMqPublisher {
                 ))
             }
         };
-        let results = confirms.finish(exchange, &timed_out);
+        let results = confirms.finish(records, self.exchange.as_str(), &timed_out);
         // A channel whose confirms did not all come may be stuck, and late returns would
         // land on the next batch: it is not reused.
-        if complete && unwritten.is_none() {
-            self.give_back(channel);
+        if ended.complete && !ended.held {
+            self.give_back(lent.channel);
         }
         results
     }
 }
+
 /// What one confirm said, reduced to what the outcome needs.
 #[derive(Debug)]
 enum Settled {
@@ -189,34 +206,8 @@ fn settled(confirmation: lapin::Result<Confirmation>) -> (Settled, Option<Return
     }
 }
 
-/// Awaits confirms until all are in or the deadline passes, then reads those that are in
-/// already (they may carry a return). Returns whether every confirm came.
-async fn gather<F>(
-    mut pending: FuturesUnordered<F>,
-    deadline: Instant,
-    confirms: &mut Confirms<'_>,
-) -> bool
-where
-    F: Future<Output = (usize, (Settled, Option<Returned>))>,
-{
-    let timer = tokio::time::sleep_until(deadline);
-    tokio::pin!(timer);
-    while !pending.is_empty() {
-        tokio::select! {
-            biased;
-            Some((i, (settled, returned))) = pending.next() => confirms.settle(i, settled, returned),
-            () = &mut timer => break,
-        }
-    }
-    while let Some(Some((i, (settled, returned)))) = pending.next().now_or_never() {
-        confirms.settle(i, settled, returned);
-    }
-    pending.is_empty()
-}
-
 /// The results of one pipelined batch, as its confirms and returns come in, in any order.
-struct Confirms<'a> {
-    records: &'a [Record],
+struct Confirms {
     results: Vec<Option<std::result::Result<(), PublishError>>>,
     returned: Vec<Returned>,
     /// Records whose confirm failed because the channel went down: `(index, closed by the
@@ -224,11 +215,10 @@ struct Confirms<'a> {
     lost: Vec<(usize, bool, String)>,
 }
 
-impl<'a> Confirms<'a> {
-    fn new(records: &'a [Record]) -> Self {
+impl Confirms {
+    fn new(n: usize) -> Self {
         Confirms {
-            records,
-            results: records.iter().map(|_| None).collect(),
+            results: (0..n).map(|_| None).collect(),
             returned: Vec::new(),
             lost: Vec::new(),
         }
@@ -261,6 +251,7 @@ impl<'a> Confirms<'a> {
     /// broker's side (a missing exchange, a broker shutting down) is an outage for all.
     fn finish(
         mut self,
+        records: &[Record],
         exchange: &str,
         unconfirmed: &dyn Fn() -> PublishError,
     ) -> Vec<std::result::Result<(), PublishError>> {
@@ -275,8 +266,7 @@ impl<'a> Confirms<'a> {
             };
             self.results[i] = Some(Err(err));
         }
-        let index: HashMap<&str, usize> = self
-            .records
+        let index: HashMap<&str, usize> = records
             .iter()
             .enumerate()
             .map(|(i, r)| (r.key.as_str(), i))
@@ -285,7 +275,7 @@ impl<'a> Confirms<'a> {
             if let Some(&i) = returned.message_id.as_deref().and_then(|id| index.get(id)) {
                 self.results[i] = Some(Err(PublishError::transient(format!(
                     "unroutable: exchange {exchange:?} returned topic {:?} ({} {})",
-                    self.records[i].topic, returned.code, returned.text
+                    records[i].topic, returned.code, returned.text
                 ))));
             }
         }
@@ -328,29 +318,29 @@ mod tests {
         let records = [record("a"), record("b"), record("c")];
         let unconfirmed = || PublishError::transient("no confirm");
         // b's return rides on a's ack, which comes before b's own ack...
-        let mut early = Confirms::new(&records);
+        let mut early = Confirms::new(records.len());
         early.settle(0, Settled::Ack, returned("b"));
         early.settle(1, Settled::Ack, None);
         early.settle(2, Settled::Ack, None);
         assert_eq!(
-            outcome(&early.finish("x", &unconfirmed)),
+            outcome(&early.finish(&records, "x", &unconfirmed)),
             ["sent", "returned", "sent"]
         );
         // ...or after it, on c's ack.
-        let mut late = Confirms::new(&records);
+        let mut late = Confirms::new(records.len());
         late.settle(1, Settled::Ack, None);
         late.settle(0, Settled::Ack, None);
         late.settle(2, Settled::Ack, returned("b"));
         assert_eq!(
-            outcome(&late.finish("x", &unconfirmed)),
+            outcome(&late.finish(&records, "x", &unconfirmed)),
             ["sent", "returned", "sent"]
         );
         // A return attached to a nack is not lost.
-        let mut nacked = Confirms::new(&records);
+        let mut nacked = Confirms::new(records.len());
         nacked.settle(0, Settled::Ack, None);
         nacked.settle(2, Settled::Nack, returned("b"));
         nacked.settle(1, Settled::Ack, None);
-        let results = nacked.finish("x", &unconfirmed);
+        let results = nacked.finish(&records, "x", &unconfirmed);
         assert_eq!(outcome(&results)[..2], ["sent", "returned"]);
         assert!(
             results[2]
@@ -368,45 +358,27 @@ mod tests {
             broker_side,
             text: "confirm failed: channel closed".into(),
         };
-        let mut closed = Confirms::new(&records);
+        let mut closed = Confirms::new(records.len());
         closed.settle(0, Settled::Ack, None);
         closed.settle(3, lost(false), None);
         closed.settle(1, lost(false), None);
         closed.settle(2, lost(false), None);
-        let results = closed.finish("x", &|| PublishError::transient("no confirm"));
+        let results = closed.finish(&records, "x", &|| PublishError::transient("no confirm"));
         assert!(results[0].is_ok());
         let b = results[1].as_ref().unwrap_err();
         assert!(!b.is_unavailable() && !b.is_permanent(), "{b}");
         assert!(results[2].as_ref().unwrap_err().is_unavailable());
         assert!(results[3].as_ref().unwrap_err().is_unavailable());
 
-        let mut missing = Confirms::new(&records);
+        let mut missing = Confirms::new(records.len());
         for i in 0..4 {
             missing.settle(i, lost(true), None);
         }
-        let results = missing.finish("x", &|| PublishError::transient("no confirm"));
+        let results = missing.finish(&records, "x", &|| PublishError::transient("no confirm"));
         assert!(
             results
                 .iter()
                 .all(|r| r.as_ref().unwrap_err().is_unavailable())
         );
-    }
-
-    #[tokio::test]
-    async fn confirms_already_in_at_the_deadline_are_still_read() {
-        let records = [record("a"), record("b"), record("c")];
-        let mut confirms = Confirms::new(&records);
-        type Confirm =
-            futures_util::future::BoxFuture<'static, (usize, (Settled, Option<Returned>))>;
-        let pending: FuturesUnordered<Confirm> = FuturesUnordered::new();
-        // c's confirm carries b's return and is ready; b's own confirm never comes.
-        pending.push(Box::pin(async { (0, (Settled::Ack, None)) }));
-        pending.push(Box::pin(std::future::pending()));
-        pending.push(Box::pin(async { (2, (Settled::Ack, returned("b"))) }));
-        // The deadline has passed before anything was awaited.
-        let complete = gather(pending, Instant::now(), &mut confirms).await;
-        assert!(!complete);
-        let results = confirms.finish("x", &|| PublishError::transient("no confirm"));
-        assert_eq!(outcome(&results), ["sent", "returned", "sent"]);
     }
 }

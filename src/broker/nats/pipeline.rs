@@ -1,17 +1,21 @@
 //! One batch published at once: every record sent, then every acknowledgement awaited, and
 //! each outcome told apart as a message's failure or an outage.
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
-use tokio::time::Instant;
+use std::future::Future;
 
 use async_nats::jetstream::ErrorCode;
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{
+    PublishAckFuture, PublishError as NatsPublishError, PublishErrorKind,
+};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
+use tokio::sync::watch;
+use tokio::time::Instant;
 
-use super::JetStreamPublisher;
 use super::connection::connected;
 use super::properties::outgoing;
+use super::{JetStreamPublisher, context};
+use crate::broker::pipeline::{Ended, Pipelined, Results, Unsent};
 use crate::publisher::{PublishError, Record};
 
 /// Errors after which the stream takes no message at all, whichever it is.
@@ -32,103 +36,108 @@ const NEVER_TAKES_THIS: &[ErrorCode] = &[
 ];
 
 /// The JetStream error code the server answered with, if it answered with one.
-fn server_error_code(err: &async_nats::jetstream::context::PublishError) -> Option<ErrorCode> {
+fn server_error_code(err: &NatsPublishError) -> Option<ErrorCode> {
     std::error::Error::source(err)?
         .downcast_ref::<async_nats::jetstream::Error>()
         .map(|e| e.error_code())
 }
 
-impl JetStreamPublisher {
-    /// Sends every record, then awaits every acknowledgement; the whole batch within the
-    /// ack timeout. A connection lost meanwhile ends the wait at once: what was not
-    /// acknowledged is released as an outage (JetStream drops what it stored already
-    /// when it comes again, by its message id).
-    pub(super) async fn publish_pipelined(
-        &self,
-        records: &[Record],
-    ) -> Vec<std::result::Result<(), PublishError>> {
-        let deadline = Instant::now() + self.ack_timeout;
+/// One batch on its way: the connection-lost signal as it stood when the batch began, and
+/// the results so far.
+pub(crate) struct Batch {
+    lost: watch::Receiver<u64>,
+    results: Vec<Option<std::result::Result<(), PublishError>>>,
+}
+
+/// Every record sent, then every acknowledgement awaited; the whole batch within the ack
+/// timeout. A connection lost meanwhile ends the wait at once: what was not acknowledged is
+/// released as an outage (JetStream drops what it stored already when it comes again, by
+/// its message id).
+impl Pipelined for JetStreamPublisher {
+    type Batch = Batch;
+    type Ack = PublishAckFuture;
+    type Acked = std::result::Result<PublishAck, NatsPublishError>;
+
+    fn timeout(&self) -> std::time::Duration {
+        self.ack_timeout
+    }
+
+    fn fit_timeout(&mut self, max: std::time::Duration) {
+        if !self.ack_timeout_set && self.ack_timeout > max {
+            self.ack_timeout = max;
+            self.jetstream = context(&self.client, max);
+        }
+    }
+
+    async fn open(&self, n: usize, _deadline: Instant) -> Result<Batch, String> {
         let mut lost = self.lost.clone();
         lost.mark_unchanged();
         if !connected(&self.client) {
-            return records
-                .iter()
-                .map(|_| {
-                    Err(PublishError::unavailable(format!(
-                        "NATS at {} is not connected (reconnecting)",
-                        self.endpoint
-                    )))
-                })
-                .collect();
+            return Err(format!(
+                "NATS at {} is not connected (reconnecting)",
+                self.endpoint
+            ));
         }
-        let max_payload = self.client.max_payload();
-        let mut results: Vec<Option<std::result::Result<(), PublishError>>> =
-            records.iter().map(|_| None).collect();
-        let mut pending = FuturesUnordered::new();
-        let mut unsent = false;
-        for (i, record) in records.iter().enumerate() {
-            if unsent {
-                results[i] = Some(Err(PublishError::unavailable(
-                    "not sent: an earlier message of the batch could not be sent",
-                )));
-                continue;
-            }
-            let message = match outgoing(record, &self.prefix, max_payload) {
-                Ok(message) => message,
-                Err(e) => {
-                    results[i] = Some(Err(e));
-                    continue;
-                }
-            };
-            let publish = PublishMessage::build()
-                .payload(message.payload)
-                .headers(message.headers);
-            let subject = message.subject;
-            match tokio::time::timeout_at(deadline, self.jetstream.send_publish(subject, publish))
-                .await
-            {
-                Ok(Ok(ack)) => pending.push(async move { (i, ack.await) }),
-                Ok(Err(e)) => {
-                    let err = self.failed(&e, record);
-                    unsent |= err.is_unavailable();
-                    results[i] = Some(Err(err));
-                }
-                Err(_) => {
-                    unsent = true;
-                    results[i] = Some(Err(PublishError::unavailable(format!(
-                        "NATS at {} took no message within {:?}",
-                        self.endpoint, self.ack_timeout
-                    ))));
-                }
+        Ok(Batch {
+            lost,
+            results: (0..n).map(|_| None).collect(),
+        })
+    }
+
+    async fn send(&self, _batch: &Batch, record: &Record) -> Result<PublishAckFuture, Unsent> {
+        let message =
+            outgoing(record, &self.prefix, self.client.max_payload()).map_err(Unsent::alone)?;
+        let publish = PublishMessage::build()
+            .payload(message.payload)
+            .headers(message.headers);
+        self.jetstream
+            .send_publish(message.subject, publish)
+            .await
+            .map_err(|e| {
+                let error = self.failed(&e, record);
+                let rest = error
+                    .is_unavailable()
+                    .then(|| "not sent: an earlier message of the batch could not be sent".into());
+                Unsent { error, rest }
+            })
+    }
+
+    fn send_timed_out(&self, _batch: &Batch) -> Unsent {
+        Unsent {
+            error: PublishError::unavailable(format!(
+                "NATS at {} took no message within {:?}",
+                self.endpoint, self.ack_timeout
+            )),
+            rest: Some("not sent: an earlier message of the batch could not be sent".into()),
+        }
+    }
+
+    fn connection_lost(&self, batch: &Batch) -> impl Future<Output = ()> + Send + 'static {
+        let mut lost = batch.lost.clone();
+        async move {
+            if lost.changed().await.is_err() {
+                // The client is gone without a word: the deadline ends the wait.
+                std::future::pending::<()>().await;
             }
         }
-        let timer = tokio::time::sleep_until(deadline);
-        tokio::pin!(timer);
-        let mut connection_lost = false;
-        while !pending.is_empty() {
-            tokio::select! {
-                biased;
-                Some((i, acked)) = pending.next() => {
-                    results[i] = Some(match acked {
-                        // A duplicate was stored before: it counts as sent.
-                        Ok(_) => Ok(()),
-                        Err(e) => Err(self.failed(&e, &records[i])),
-                    });
-                }
-                changed = lost.changed(), if !connection_lost => {
-                    connection_lost = true;
-                    if changed.is_ok() {
-                        break;
-                    }
-                }
-                () = &mut timer => break,
-            }
-        }
-        let lost_now = connection_lost || lost.has_changed().unwrap_or(true);
-        if !pending.is_empty() && !lost_now {
+    }
+
+    fn fail(&self, batch: &mut Batch, i: usize, err: PublishError) {
+        batch.results[i] = Some(Err(err));
+    }
+
+    fn settle(&self, batch: &mut Batch, i: usize, record: &Record, acked: Self::Acked) {
+        // A duplicate was stored before: it counts as sent.
+        batch.results[i] = Some(acked.map(|_| ()).map_err(|e| self.failed(&e, record)));
+    }
+
+    fn finish(&self, batch: Batch, _records: &[Record], ended: Ended) -> Results {
+        let lost_now = batch.lost.has_changed().unwrap_or(true);
+        if !ended.complete && !lost_now {
             tracing::warn!(endpoint = %self.endpoint, timeout = ?self.ack_timeout, "NATS ack timeout");
         }
-        results
+        batch
+            .results
             .into_iter()
             .map(|r| {
                 r.unwrap_or_else(|| {
@@ -147,15 +156,13 @@ impl JetStreamPublisher {
             })
             .collect()
     }
+}
 
+impl JetStreamPublisher {
     /// What a failed publish says: an outage (no stream, no responders, the connection
     /// gone, a stream that takes nothing now), a message the stream can never take, or a
     /// per-message error.
-    fn failed(
-        &self,
-        err: &async_nats::jetstream::context::PublishError,
-        record: &Record,
-    ) -> PublishError {
+    fn failed(&self, err: &NatsPublishError, record: &Record) -> PublishError {
         let subject = format!("{}{}", self.prefix, record.topic);
         match err.kind() {
             PublishErrorKind::StreamNotFound => PublishError::unavailable(format!(

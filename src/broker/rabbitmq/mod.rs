@@ -13,7 +13,7 @@
 //!
 //! The broker being out of reach is not a message's fault: connection refused or lost
 //! before a record was written, a failed login, the exchange missing, or the connection
-//! blocked by a resource alarm are reported as [`PublishError::unavailable`], and the relay
+//! blocked by a resource alarm are reported as [`PublishError::unavailable`](crate::PublishError::unavailable), and the relay
 //! releases such records without spending their attempts. When the channel or connection
 //! goes down under records already written, the first of them is charged a transient
 //! failure (it may be the one that brought it down, and must not be retried forever) and
@@ -65,6 +65,7 @@ mod connection;
 mod endpoint;
 mod pipeline;
 mod properties;
+pub(crate) mod source;
 mod topology;
 
 use std::fmt;
@@ -79,7 +80,6 @@ pub(crate) use self::connection::not_found;
 pub(crate) use self::endpoint::Endpoint;
 pub use self::topology::Topology;
 use crate::error::{Error, Result};
-use crate::publisher::{BatchResults, PublishError, Publisher, Record, all_at_once};
 use crate::tls::Tls;
 
 /// Publishes records to a RabbitMQ exchange with publisher confirms; see the
@@ -258,25 +258,4 @@ impl RabbitMqPublisherBuilder {
     }
 }
 
-impl Publisher for RabbitMqPublisher {
-    async fn publish(&self, record: &Record) -> std::result::Result<(), PublishError> {
-        self.publish_pipelined(std::slice::from_ref(record))
-            .await
-            .pop()
-            .expect("one result per record")
-    }
-
-    fn publish_batch<'a>(&'a self, records: &'a [Record]) -> Option<BatchResults<'a>> {
-        Some(all_at_once(self.publish_pipelined(records)))
-    }
-
-    fn timeout(&self) -> Option<Duration> {
-        Some(self.confirm_timeout)
-    }
-
-    fn fit_timeout(&mut self, max: Duration) {
-        if !self.confirm_timeout_set {
-            self.confirm_timeout = self.confirm_timeout.min(max);
-        }
-    }
-}
+crate::broker::pipeline::pipelined_publisher!(RabbitMqPublisher);

@@ -1,29 +1,5 @@
-//! The NATS JetStream source (feature `nats`): one durable pull consumer, with explicit
-//! acknowledgements, pulled in batches of the consumer's concurrency.
-//!
-//! A message becomes a [`Delivery`]: its `Nats-Msg-Id` header is the key, its subject
-//! (without the [`Source::subject_prefix`], when it starts with it) the topic,
-//! `x-outbox-attempt` the attempt, `x-outbox-aggregate-key` the aggregate key and
-//! `Content-Type` the content type; other headers are the delivery's headers. A delivery
-//! counts as redelivered when JetStream delivered it before. A message without
-//! `Nats-Msg-Id` cannot be deduplicated: it is terminated (JetStream stops redelivering it
-//! and publishes a `MSG_TERMINATED` advisory) and logged.
-//!
-//! The acknowledgement is a double ack: the runner learns whether the server took it. A
-//! rejection terminates the message (JetStream has no dead-letter stream of its own: keep
-//! terminated messages by consuming the advisory, or give the consumer a `max_deliver`).
-//! Messages handed out and not settled when the source closes are redelivered once the
-//! JetStream consumer's `ack_wait` passes. The durable consumer must exist, as a pull
-//! consumer with explicit acks: create it in your deployment or at start-up.
-//!
-//! Hazards: the client pulls ahead (a new batch of the runner's concurrency once half the
-//! last one is handed out), so up to about one and a half times the concurrency waits in
-//! the client beyond what the runner handles; their `ack_wait` runs meanwhile. Give the
-//! durable consumer an `ack_wait` longer than the runner's `handler_timeout` plus that
-//! wait, and a `max_ack_pending` of the runner's concurrency to bound it; with a
-//! `max_deliver`, a message redelivered that often is dropped by JetStream. The
-//! connection is reopened by itself after a loss; credentials never appear in its `Debug`
-//! output, its errors or its logs.
+//! The consumer runner's NATS JetStream source, public as `consumer::nats::Source` (its
+//! docs are there).
 
 use std::fmt;
 use std::time::Duration;
@@ -34,19 +10,16 @@ use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 
-use super::Delivery;
-use super::source::{Incoming, Link, Settle};
+use super::{CONTENT_TYPE_HEADER, Credentials, MESSAGE_ID_HEADER, Servers, secured};
+use crate::consumer::{Delivery, Incoming, Reconnecting, Settle};
 use crate::error::BoxError;
-use crate::publisher::nats::{
-    CONTENT_TYPE_HEADER, Credentials, MESSAGE_ID_HEADER, Servers, secured,
-};
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 use crate::tls::Tls;
 
 /// The longest a connection and its subscription may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A durable JetStream pull consumer as the source of a [`Consumer`](super::Consumer).
+/// A durable JetStream pull consumer as the source of a [`Consumer`](crate::consumer::Consumer).
 pub struct Source {
     url: String,
     credentials: Option<Credentials>,
@@ -57,7 +30,7 @@ pub struct Source {
     stream: String,
     durable: String,
     prefix: String,
-    link: Link<Live>,
+    link: Reconnecting<Live>,
 }
 
 struct Live {
@@ -98,7 +71,7 @@ impl Source {
             stream: stream.into(),
             durable: durable.into(),
             prefix: String::new(),
-            link: Link::default(),
+            link: Reconnecting::default(),
         }
     }
 
@@ -178,7 +151,7 @@ async fn connect(
     }
 }
 
-impl super::Source for Source {
+impl crate::consumer::Source for Source {
     fn check(&self) -> Result<(), BoxError> {
         self.servers.as_ref().map_err(|e| e.clone())?;
         if self.stream.is_empty() || self.durable.is_empty() {
@@ -343,7 +316,7 @@ mod tests {
         assert!(!shown.contains("s3cret"), "{shown}");
         let bad = Source::durable("nats://relay:s3cret@[bad", "OUTBOX", "invoicing");
         assert!(!format!("{bad:?}").contains("s3cret"));
-        assert!(super::super::Source::check(&bad).is_err());
+        assert!(crate::consumer::Source::check(&bad).is_err());
     }
 
     #[test]
