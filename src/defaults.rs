@@ -55,3 +55,8 @@ pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// [`ack_timeout`](crate::nats::JetStreamPublisherBuilder::ack_timeout).
 #[cfg(feature = "nats")]
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The Kafka publisher's
+/// [`delivery_timeout`](crate::kafka::KafkaPublisherBuilder::delivery_timeout).
+#[cfg(feature = "kafka")]
+pub const DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -163,7 +163,11 @@
 //!   context with the row; the relay's publish span and the consumer runner's handler span
 //!   continue it, and publishers send it as the `traceparent`/`tracestate` headers (which
 //!   messages may not set themselves, feature or not).
-//! - `cli`: the `diesel-outbox` operator binary (with `rabbitmq`, `nats` and `metrics`).
+//! - `kafka`: the Kafka publisher, `kafka::KafkaPublisher`, and the consumer runner's
+//!   Kafka source, `consumer::kafka::Source` (rdkafka, building the librdkafka it bundles:
+//!   a C compiler, `make` and zlib's headers).
+//! - `cli`: the `diesel-outbox` operator binary (with `rabbitmq`, `nats`, `kafka` and
+//!   `metrics`).
 //!
 //! No feature is on by default; the core never depends on a broker.
 //!
@@ -239,6 +243,8 @@ pub mod sync;
 mod tls;
 mod trace;
 
+#[cfg(feature = "kafka")]
+pub use crate::broker::kafka;
 #[cfg(feature = "nats")]
 pub use crate::broker::nats;
 #[cfg(feature = "rabbitmq")]

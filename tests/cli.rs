@@ -799,3 +799,76 @@ async fn declare_creates_the_topology_and_a_relay_on_a_missing_exchange_exits_fi
     let js = async_nats::jetstream::new(common::nats::connect().await);
     let _ = js.delete_stream(&stream).await;
 }
+
+/// `declare --broker kafka` creates the topics with their partitions (again: nothing
+/// changes), and `relay --broker kafka` ships the table's messages to them under its topic
+/// prefix, then stops on SIGTERM with exit code 0.
+#[cfg(feature = "kafka")]
+#[tokio::test]
+async fn declare_and_relay_on_kafka() {
+    if !common::services::needs("declare_and_relay_on_kafka", common::kafka::missing()) {
+        return;
+    }
+    let brokers = common::kafka::brokers();
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let prefix = format!("{}.", common::unique("cli"));
+    let topic = format!("{prefix}order.created");
+    for _ in 0..2 {
+        let out = Command::new(BIN)
+            .args(["declare", "--broker", "kafka", "--topic", &topic])
+            .args(["--partitions", "2", "--replication", "1", "--json"])
+            .env("KAFKA_BROKERS", &brokers)
+            .output()
+            .unwrap();
+        let out = json(&out);
+        assert_eq!(
+            out["declared"][0],
+            format!("topic {topic} (2 partitions)"),
+            "{out}"
+        );
+    }
+    for i in 0..5 {
+        outbox
+            .enqueue_alone(
+                &mut conn,
+                Message::new("order.created", format!("order {i}")).key(format!("k{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "relay", "--broker", "kafka"])
+        .args(["--topic-prefix", &prefix, "--poll-interval", "100ms"])
+        .env("DATABASE_URL", database_url())
+        .env("KAFKA_BROKERS", &brokers)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let read = common::kafka::read(&brokers, std::slice::from_ref(&topic), 2, 5).await;
+    let mut keys: Vec<String> = read
+        .iter()
+        .map(|m| m.headers["x-outbox-message-id"].clone())
+        .collect();
+    keys.sort();
+    assert_eq!(keys, ["k0", "k1", "k2", "k3", "k4"]);
+    eventually(common::DEADLINE, "every row sent", || {
+        let outbox = outbox.clone();
+        let url = database_url();
+        async move {
+            let mut conn =
+                <diesel_async::AsyncPgConnection as diesel_async::AsyncConnection>::establish(&url)
+                    .await
+                    .ok()?;
+            let stats = outbox.stats(&mut conn).await.ok()?;
+            (stats.sent == 5).then_some(())
+        }
+    })
+    .await;
+    let status = terminate(&mut relay).await;
+    assert!(status.success(), "exit {status:?}");
+}

@@ -9,10 +9,9 @@ use std::time::Duration;
 
 use common::nats::{TestStream, header, nats_url};
 use common::proxy::FaultProxy;
-use common::{DEADLINE, eventually, fixture, spawn_consumer, spawn_relay, stop_relay};
-use diesel::sql_types::{Integer, Text};
-use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use diesel_outbox::consumer::{Consumer, HandleError, handler_fn, nats};
+use common::{DEADLINE, Effects, eventually, fixture, spawn_consumer, spawn_relay, stop_relay};
+use diesel_async::SimpleAsyncConnection;
+use diesel_outbox::consumer::{Consumer, handler_fn, nats};
 use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::{Error, Message};
 
@@ -33,14 +32,7 @@ async fn committed_messages_reach_the_consumer_once_and_a_republish_is_stored_on
     let mut f = fixture().await;
     let stream = TestStream::new().await;
     stream.durable("invoicing", Duration::from_secs(5)).await;
-    f.conn
-        .batch_execute(&format!(
-            "CREATE TABLE {}.effects (id bigserial PRIMARY KEY, key text NOT NULL, \
-             aggregate text NOT NULL, seq integer NOT NULL)",
-            f.schema.name
-        ))
-        .await
-        .unwrap();
+    let effects = Effects::create(&mut f).await;
     for seq in 0..5 {
         for agg in 0..4 {
             let payload = serde_json::json!({ "seq": seq });
@@ -71,68 +63,21 @@ async fn committed_messages_reach_the_consumer_once_and_a_republish_is_stored_on
         .unwrap();
     let (stop, task) = spawn_relay(relay);
 
-    let effects = format!("{}.effects", f.schema.name);
     let consumer = Consumer::builder(f.outbox.clone(), common::pool(4).await, "invoicing")
         .source(
             nats::Source::durable(nats_url(), &stream.name, "invoicing")
                 .subject_prefix(&stream.prefix),
         )
-        .handler(handler_fn(move |delivery, conn| {
-            let effects = effects.clone();
-            Box::pin(async move {
-                assert_eq!(delivery.topic, "order.updated");
-                assert_eq!(delivery.content_type.as_deref(), Some("application/json"));
-                let body: serde_json::Value = delivery.json().map_err(HandleError::reject)?;
-                diesel::sql_query(format!(
-                    "INSERT INTO {effects} (key, aggregate, seq) VALUES ($1, $2, $3)"
-                ))
-                .bind::<Text, _>(&delivery.key)
-                .bind::<Text, _>(delivery.aggregate_key.clone().unwrap_or_default())
-                .bind::<Integer, _>(body["seq"].as_i64().unwrap_or(-1) as i32)
-                .execute(conn)
-                .await
-                .map_err(HandleError::retry)?;
-                Ok(())
-            })
-        }))
+        .handler(effects.handler())
         .concurrency(4)
         .build()
         .unwrap();
     let (stop_consumer, consuming) = spawn_consumer(consumer);
 
     f.wait_rows("status = 'sent'", 20).await;
-    #[derive(diesel::QueryableByName)]
-    struct Effect {
-        #[diesel(sql_type = Text)]
-        key: String,
-        #[diesel(sql_type = Text)]
-        aggregate: String,
-        #[diesel(sql_type = Integer)]
-        seq: i32,
-    }
-    let sql = format!(
-        "SELECT key, aggregate, seq FROM {}.effects ORDER BY id",
-        f.schema.name
-    );
-    let effects: Vec<Effect> = eventually(DEADLINE, "20 effects", || {
-        let sql = sql.clone();
-        let pool = f.pool.clone();
-        async move {
-            let mut conn = pool.get().await.unwrap();
-            let effects: Vec<Effect> = diesel::sql_query(sql).load(&mut conn).await.unwrap();
-            (effects.len() >= 20).then_some(effects)
-        }
-    })
-    .await;
-    assert!(effects.iter().all(|e| e.key != "never"));
-    for agg in 0..4 {
-        let seqs: Vec<i32> = effects
-            .iter()
-            .filter(|e| e.aggregate == format!("a{agg}"))
-            .map(|e| e.seq)
-            .collect();
-        assert_eq!(seqs, [0, 1, 2, 3, 4], "aggregate a{agg} in order");
-    }
+    let applied = effects.wait(20).await;
+    assert!(applied.iter().all(|e| e.key != "never"));
+    Effects::assert_in_order(&applied, 4, 5);
     assert_eq!(stream.stored().await, 20);
 
     // Everything published again, within the stream's duplicate window.
@@ -151,8 +96,7 @@ async fn committed_messages_reach_the_consumer_once_and_a_republish_is_stored_on
     );
     stop_relay(stop, task).await;
     stop_relay(stop_consumer, consuming).await;
-    let mut conn = f.pool.get().await.unwrap();
-    let again: Vec<Effect> = diesel::sql_query(sql).load(&mut conn).await.unwrap();
+    let again = effects.wait(20).await;
     assert_eq!(again.len(), 20, "no effect applied twice");
 }
 

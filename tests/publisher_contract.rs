@@ -1,5 +1,5 @@
 //! The contract every publisher keeps, run against each one alike: RabbitMQ and NATS
-//! JetStream (each in the clear and over TLS) and the closure adapter. Each publisher gets a
+//! JetStream (each in the clear and over TLS), Kafka and the closure adapter. Each publisher gets a
 //! harness (how to make one, how to make its broker refuse a message, how to read what
 //! arrived); the tests are written once.
 #![allow(async_fn_in_trait)]
@@ -252,6 +252,8 @@ contract!(rabbitmq_tls, rabbit::RabbitHarness<rabbit::OverTls>);
 contract!(nats, jetstream::NatsHarness<jetstream::Plain>);
 #[cfg(feature = "nats")]
 contract!(nats_tls, jetstream::NatsHarness<jetstream::OverTls>);
+#[cfg(feature = "kafka")]
+contract!(kafka, kafka_harness::KafkaHarness);
 
 /// The closure adapter over an in-memory "broker" that refuses topic `nowhere` and can be
 /// out of reach.
@@ -692,6 +694,118 @@ mod jetstream {
                     .unwrap();
                 shown.push(format!("{connected:?}"));
             }
+            shown.push(format!("{:?}", self.publisher().await));
+            shown
+        }
+    }
+}
+
+#[cfg(feature = "kafka")]
+mod kafka_harness {
+    use super::*;
+    use common::kafka::{Tansu, brokers, read};
+    use diesel_outbox::kafka::{KafkaPublisher, Topology};
+
+    /// The largest message the harness's publishers send: the refused record is larger.
+    const MAX_MESSAGE: usize = 64 * 1024;
+    /// The topics the contract publishes to.
+    const TOPICS: [&str; 4] = ["ok.order.created", "ok.batch", "ok.x", "ok.dup"];
+
+    /// Topics of its own (one partition each, so that one topic's order is the publish
+    /// order) under a unique prefix, on the shared brokers.
+    pub(super) struct KafkaHarness {
+        prefix: String,
+    }
+
+    impl KafkaHarness {
+        fn topics(&self) -> Vec<String> {
+            TOPICS
+                .iter()
+                .map(|t| format!("{}{t}", self.prefix))
+                .collect()
+        }
+    }
+
+    fn got(prefix: &str, m: common::kafka::Read) -> Got {
+        let mut headers = m.headers;
+        let mut take = |name: &str| headers.remove(name);
+        Got {
+            key: take("x-outbox-message-id").expect("the idempotency key"),
+            topic: m.topic.strip_prefix(prefix).expect("prefix").to_owned(),
+            payload: m.payload,
+            content_type: take("content-type"),
+            attempt: take("x-outbox-attempt").expect("attempt").parse().unwrap(),
+            aggregate_key: take("x-outbox-aggregate-key"),
+            headers,
+        }
+    }
+
+    impl Harness for KafkaHarness {
+        type P = KafkaPublisher;
+        /// Kafka stores a message each time it is produced.
+        const DUPLICATES_KEPT: usize = 2;
+
+        fn missing() -> Option<String> {
+            common::kafka::missing().or_else(Tansu::missing)
+        }
+
+        async fn new() -> Self {
+            let harness = KafkaHarness {
+                prefix: format!("{}.", unique("outbox_contract")),
+            };
+            let mut topology = Topology::new().replication(1);
+            for topic in harness.topics() {
+                topology = topology.topic(topic, 1);
+            }
+            topology
+                .declare(&brokers())
+                .await
+                .expect("declare the topics");
+            harness
+        }
+
+        async fn publisher(&self) -> KafkaPublisher {
+            KafkaPublisher::builder(brokers())
+                .topic_prefix(&self.prefix)
+                .delivery_timeout(Duration::from_secs(10))
+                .max_message_bytes(MAX_MESSAGE)
+                .connect()
+                .await
+                .unwrap()
+        }
+
+        async fn out_of_reach(&self) -> KafkaPublisher {
+            // Brokers of its own that go away once the publisher is connected.
+            let mut tansu = Tansu::start();
+            let publisher = KafkaPublisher::builder(&tansu.brokers)
+                .topic_prefix(&self.prefix)
+                .delivery_timeout(Duration::from_secs(3))
+                .connect()
+                .await
+                .unwrap();
+            tansu.stop();
+            publisher
+        }
+
+        fn refused(&self, key: &str) -> Record {
+            // Over the producer's message.max.bytes: refused before it is sent.
+            let mut r = record(key, "ok.batch");
+            r.payload = vec![b'x'; 2 * MAX_MESSAGE];
+            r
+        }
+
+        async fn received(&mut self, n: usize) -> Vec<Got> {
+            read(&brokers(), &self.topics(), 1, n)
+                .await
+                .into_iter()
+                .map(|m| got(&self.prefix, m))
+                .collect()
+        }
+
+        async fn shown_with_secret(&self) -> Vec<String> {
+            let builder = KafkaPublisher::builder("relay:s3cret@127.0.0.1:1");
+            let mut shown = vec![format!("{builder:?}")];
+            shown.push(builder.connect().await.unwrap_err().to_string());
             shown.push(format!("{:?}", self.publisher().await));
             shown
         }

@@ -5,9 +5,11 @@
 //! `diesel_outbox::consumer::<broker>::Source`. The publishers share one pipelined publish
 //! ([`pipeline`]), each supplying its own steps.
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
 pub(crate) mod pipeline;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;

@@ -63,6 +63,30 @@
 //! Hazard: `dedupe` records live in `<table>_inbox` until the relay's `inbox_retention`
 //! purges them; a redelivery later than that runs the handler again.
 
+#[cfg(feature = "kafka")]
+pub mod kafka {
+    //! The Kafka source (feature `kafka`): topics consumed by a consumer group.
+    //!
+    //! A message becomes a [`Delivery`](super::Delivery): its `x-outbox-message-id` header
+    //! is the key, its topic (without the [`Source::topic_prefix`], when it starts with it)
+    //! the topic, `x-outbox-attempt` the attempt, `x-outbox-aggregate-key` the aggregate key
+    //! and `content-type` the content type; other headers are the delivery's headers. Kafka
+    //! does not say whether it delivered a message before: `redelivered` is always false.
+    //!
+    //! Offsets are committed only once a delivery is settled, that is after the handler's
+    //! transaction committed: per partition, the position moves past a message only once
+    //! every message before it is settled too, so a crash or a rebalance redelivers what
+    //! was not done (and the dedupe absorbs what was). Order is kept per partition, and so
+    //! per aggregate (the relay keys each message by its aggregate). A partition taken away
+    //! by a rebalance commits nothing more from this member.
+    //!
+    //! Hazards: Kafka keeps no dead letters: a message the handler rejects, or one without
+    //! `x-outbox-message-id` (which cannot be deduplicated), is logged and skipped. The
+    //! topics must exist; on a cluster that creates topics on first use, a missing one is
+    //! created empty.
+
+    pub use crate::broker::kafka::source::Source;
+}
 #[cfg(feature = "nats")]
 pub mod nats {
     //! The NATS JetStream source (feature `nats`): one durable pull consumer, with explicit

@@ -383,8 +383,105 @@ pub mod broker;
 pub mod cluster;
 pub mod fakes;
 pub mod http;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod proxy;
 pub mod services;
 pub mod tls;
+
+/// The end-to-end tests' effects: a table of the fixture's schema with one row per
+/// delivery a handler applied (its key, aggregate and the `seq` of its JSON body).
+pub struct Effects {
+    table: String,
+    pool: diesel_outbox::PgPool,
+}
+
+/// One applied delivery.
+#[derive(diesel::QueryableByName, Debug)]
+pub struct Effect {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    pub key: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    pub aggregate: String,
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    pub seq: i32,
+}
+
+impl Effects {
+    pub async fn create(f: &mut Fixture) -> Effects {
+        let table = format!("{}.effects", f.schema.name);
+        f.conn
+            .batch_execute(&format!(
+                "CREATE TABLE {table} (id bigserial PRIMARY KEY, key text NOT NULL, \
+                 aggregate text NOT NULL, seq integer NOT NULL)"
+            ))
+            .await
+            .unwrap();
+        Effects {
+            table,
+            pool: f.pool.clone(),
+        }
+    }
+
+    /// A handler that records each `order.updated` JSON delivery as an effect, in the
+    /// delivery's transaction.
+    pub fn handler(&self) -> impl diesel_outbox::consumer::Handler + use<> {
+        use diesel::sql_types::{Integer, Text};
+        use diesel_async::RunQueryDsl;
+        use diesel_outbox::consumer::HandleError;
+        let table = self.table.clone();
+        diesel_outbox::consumer::handler_fn(move |delivery, conn| {
+            let table = table.clone();
+            Box::pin(async move {
+                assert_eq!(delivery.topic, "order.updated");
+                assert_eq!(delivery.content_type.as_deref(), Some("application/json"));
+                let body: serde_json::Value = delivery.json().map_err(HandleError::reject)?;
+                diesel::sql_query(format!(
+                    "INSERT INTO {table} (key, aggregate, seq) VALUES ($1, $2, $3)"
+                ))
+                .bind::<Text, _>(&delivery.key)
+                .bind::<Text, _>(delivery.aggregate_key.clone().unwrap_or_default())
+                .bind::<Integer, _>(body["seq"].as_i64().unwrap_or(-1) as i32)
+                .execute(conn)
+                .await
+                .map_err(HandleError::retry)?;
+                Ok(())
+            })
+        })
+    }
+
+    /// The effects in the order they were applied, once there are at least `n`.
+    pub async fn wait(&self, n: usize) -> Vec<Effect> {
+        let sql = format!("SELECT key, aggregate, seq FROM {} ORDER BY id", self.table);
+        eventually(DEADLINE, "the effects", || {
+            let sql = sql.clone();
+            let pool = self.pool.clone();
+            async move {
+                use diesel_async::RunQueryDsl;
+                let mut conn = pool.get().await.unwrap();
+                let effects: Vec<Effect> = diesel::sql_query(sql).load(&mut conn).await.unwrap();
+                (effects.len() >= n).then_some(effects)
+            }
+        })
+        .await
+    }
+
+    /// Checks that aggregates `a0..a{aggregates}` each had `seq` 0 to `per - 1` applied
+    /// once, in order.
+    pub fn assert_in_order(effects: &[Effect], aggregates: usize, per: i32) {
+        for agg in 0..aggregates {
+            let seqs: Vec<i32> = effects
+                .iter()
+                .filter(|e| e.aggregate == format!("a{agg}"))
+                .map(|e| e.seq)
+                .collect();
+            assert_eq!(
+                seqs,
+                (0..per).collect::<Vec<_>>(),
+                "aggregate a{agg} in order"
+            );
+        }
+    }
+}

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use diesel_outbox::nats::{self, Credentials};
-use diesel_outbox::{Tls, rabbitmq};
+use diesel_outbox::{Tls, kafka, rabbitmq};
 
 use crate::output::Output;
 use crate::secret::{self, Secret};
@@ -19,6 +19,8 @@ pub(crate) enum Broker {
     Rabbitmq,
     /// NATS JetStream: `--nats-url` and `--subject-prefix`.
     Nats,
+    /// Kafka: `--kafka-brokers` and `--topic-prefix`.
+    Kafka,
 }
 
 /// How to reach the broker: its URL, TLS and login, from flags, the environment or files.
@@ -53,6 +55,9 @@ pub(crate) struct BrokerArgs {
         requires = "amqp_tls_cert"
     )]
     pub(crate) amqp_tls_key: Option<PathBuf>,
+    /// Kafka's bootstrap servers, `host:port` separated by commas (with `--broker kafka`).
+    #[arg(long, env = "KAFKA_BROKERS")]
+    pub(crate) kafka_brokers: Option<String>,
     /// NATS URL, or several comma-separated (with `--broker nats`); `tls://` for TLS.
     #[arg(long, env = "NATS_URL", hide_env_values = true)]
     pub(crate) nats_url: Option<Secret>,
@@ -179,6 +184,13 @@ impl BrokerArgs {
         })
     }
 
+    /// Kafka's bootstrap servers, or a usage error saying how to give them.
+    pub(crate) fn kafka_brokers(&self) -> Result<&str, Failure> {
+        self.kafka_brokers
+            .as_deref()
+            .ok_or_else(|| Failure::new(USAGE, "Kafka needs --kafka-brokers (or KAFKA_BROKERS)"))
+    }
+
     /// RabbitMQ's TLS settings, if any file is given.
     pub(crate) fn amqp_tls(&self) -> Option<Tls> {
         tls(&self.amqp_tls_ca, &self.amqp_tls_cert, &self.amqp_tls_key)
@@ -248,6 +260,15 @@ pub(crate) struct DeclareArgs {
     /// NATS: a durable pull consumer of the stream for a consumer (repeatable).
     #[arg(long)]
     durable: Vec<String>,
+    /// Kafka: a topic to create (repeatable): the relay's topic prefix + a record's topic.
+    #[arg(long)]
+    topic: Vec<String>,
+    /// Kafka: the partitions of each topic created.
+    #[arg(long, default_value_t = 1)]
+    partitions: u32,
+    /// Kafka: the replicas of each partition (defaults to the cluster's default).
+    #[arg(long)]
+    replication: Option<u16>,
 }
 
 /// Declares the topology on the broker, idempotently.
@@ -302,6 +323,26 @@ pub(crate) async fn declare(args: DeclareArgs, out: &mut Output<'_>) -> Result<(
             let mut names = vec![format!("stream {stream} ({prefix}>)")];
             names.extend(args.durable.iter().map(|d| format!("durable consumer {d}")));
             names
+        }
+        Broker::Kafka => {
+            if args.topic.is_empty() {
+                return Err(Failure::new(
+                    USAGE,
+                    "declare --broker kafka needs --topic (one or more)",
+                ));
+            }
+            let mut topology = kafka::Topology::new();
+            for topic in &args.topic {
+                topology = topology.topic(topic, args.partitions);
+            }
+            if let Some(replicas) = args.replication {
+                topology = topology.replication(replicas);
+            }
+            topology.declare(b.kafka_brokers()?).await?;
+            args.topic
+                .iter()
+                .map(|t| format!("topic {t} ({} partitions)", args.partitions))
+                .collect()
         }
     };
     out.print(serde_json::json!({ "declared": declared }), || {

@@ -1,10 +1,11 @@
-//! `relay`: a relay to RabbitMQ or NATS JetStream until SIGINT or SIGTERM, then a drain. Its options default
+//! `relay`: a relay to RabbitMQ, NATS JetStream or Kafka until SIGINT or SIGTERM, then a drain. Its options default
 //! to the library's (`diesel_outbox::defaults`); its logs leave out what dependencies would
 //! print of payloads and credentials.
 
 use clap::Args;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_outbox::defaults;
+use diesel_outbox::kafka::KafkaPublisher;
 use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Outbox, PgPool, Publisher, Relay};
@@ -26,6 +27,9 @@ pub(crate) struct RelayArgs {
     /// capture (with `--broker nats`).
     #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "")]
     subject_prefix: String,
+    /// Put in front of each topic to make its Kafka topic (with `--broker kafka`).
+    #[arg(long, env = "OUTBOX_TOPIC_PREFIX", default_value = "")]
+    topic_prefix: String,
     /// Rows claimed per cycle.
     #[arg(long, default_value_t = defaults::BATCH_SIZE)]
     pub(crate) batch_size: usize,
@@ -60,8 +64,9 @@ pub(crate) struct RelayArgs {
     /// Purge inbox records older than this; `off` keeps them.
     #[arg(long, default_value_t = Age(Some(defaults::INBOX_RETENTION)), allow_hyphen_values = true)]
     pub(crate) inbox_retention: Age,
-    /// The longest a batch may wait for the broker's confirms (RabbitMQ) or
-    /// acknowledgements (NATS) [default: 10s, or half the lease when that is shorter].
+    /// The longest a batch may wait for the broker's confirms (RabbitMQ),
+    /// acknowledgements (NATS) or delivery reports (Kafka) [default: 10s, or half the
+    /// lease when that is shorter].
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) confirm_timeout: Option<Period>,
     /// The most payload and header bytes one claim takes (at least one row).
@@ -127,6 +132,15 @@ pub(crate) async fn run(
                 let publisher = publisher.connect().await?;
                 Running::Nats(build(outbox, pool, publisher, &args)?)
             }
+            Broker::Kafka => {
+                let mut publisher =
+                    KafkaPublisher::builder(b.kafka_brokers()?).topic_prefix(&args.topic_prefix);
+                if let Some(timeout) = args.confirm_timeout {
+                    publisher = publisher.delivery_timeout(timeout.0);
+                }
+                let publisher = publisher.connect().await?;
+                Running::Kafka(build(outbox, pool, publisher, &args)?)
+            }
         };
         Ok(relay)
     };
@@ -143,6 +157,10 @@ pub(crate) async fn run(
             let relay = relay.clone();
             Box::new(move || relay.health())
         }
+        Running::Kafka(relay) => {
+            let relay = relay.clone();
+            Box::new(move || relay.health())
+        }
     };
     *health
         .lock()
@@ -150,6 +168,7 @@ pub(crate) async fn run(
     match relay {
         Running::Rabbitmq(relay) => relay.run_until(shutdown).await?,
         Running::Nats(relay) => relay.run_until(shutdown).await?,
+        Running::Kafka(relay) => relay.run_until(shutdown).await?,
     }
     Ok(())
 }
@@ -158,6 +177,7 @@ pub(crate) async fn run(
 enum Running {
     Rabbitmq(Relay<RabbitMqPublisher>),
     Nats(Relay<JetStreamPublisher>),
+    Kafka(Relay<KafkaPublisher>),
 }
 
 /// The relay's pool, checked against the table (failing fast when it is missing rather

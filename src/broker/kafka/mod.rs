@@ -1,0 +1,361 @@
+//! The Kafka publisher (feature `kafka`), on rdkafka with the librdkafka it bundles.
+//!
+//! Each record is produced to the topic *prefix + topic* with its payload as the value and
+//! its aggregate key as the message key (the idempotency key when it has none), so one
+//! aggregate's messages land in one partition, in order. Its headers: `x-outbox-message-id`
+//! (the idempotency key, which consumers dedupe on), `x-outbox-attempt`,
+//! `x-outbox-aggregate-key` when set, `content-type` when set, and the record's own headers
+//! (trace context included; library headers win). The producer is idempotent
+//! (`enable.idempotence=true`, `acks=all`): a message counts as published only once every
+//! in-sync replica has it, and librdkafka's own retries never write it twice. A record
+//! published again by the relay (after a crash between the broker's report and the
+//! outcome's commit) is stored again: the consumer's dedupe covers it.
+//!
+//! A claimed batch is pipelined: every record is produced, then every delivery report
+//! awaited, the whole batch within the delivery timeout. A failure the broker reports about
+//! one message fails its attempt (retried, then dead-lettered); a message over a size limit
+//! (the producer's `message.max.bytes`, see [`KafkaPublisherBuilder::max_message_bytes`], or
+//! the broker's) or to a topic name Kafka refuses fails permanently and alone.
+//!
+//! Kafka out of reach is not a message's fault: no broker answering, a transport failure,
+//! a topic or partition that does not exist, no leader, a refused login or permission, no
+//! delivery report within the timeout (librdkafka reports a message's own failure by
+//! itself; a broker that stops answering leaves its messages without one), are reported as [`PublishError::unavailable`], and the
+//! relay releases those records without spending their attempts. librdkafka reconnects by
+//! itself, for ever.
+//!
+//! Hazard: a topic that does not exist (on a cluster that does not create topics on first
+//! use) is held the same way, never dead-lettered: while such a row is due the relay keeps
+//! backing off as a whole. Create the topics first ([`Topology`], or
+//! `diesel-outbox declare --broker kafka`).
+//!
+//! The tests run against Tansu, a Kafka-compatible broker, on its memory storage: producing
+//! with the idempotent producer, keys, headers and delivery reports, topics created with
+//! their partitions, consuming by a consumer group with committed offsets.
+//!
+//! ```no_run
+//! use diesel_outbox::kafka::KafkaPublisher;
+//!
+//! # async fn run() -> Result<(), diesel_outbox::Error> {
+//! let publisher = KafkaPublisher::builder("kafka-1:9092,kafka-2:9092")
+//!     .topic_prefix("outbox.")
+//!     .connect()
+//!     .await?;
+//! # let _ = publisher; Ok(()) }
+//! ```
+//!
+//! Inside: `properties` (a record as a Kafka message, and what a Kafka error says),
+//! `pipeline` (a batch produced at once, its delivery reports matched to records),
+//! `topology` (topics created with their partitions).
+
+mod pipeline;
+mod properties;
+pub(crate) mod source;
+mod topology;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{PoisonError, RwLock};
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::producer::{FutureProducer, Producer};
+
+pub use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
+pub use self::topology::Topology;
+use crate::error::{Error, Result};
+use crate::publisher::PublishError;
+
+/// Produces records to Kafka with an idempotent producer, awaiting each delivery report;
+/// see the [module docs](self).
+///
+/// ```no_run
+/// use diesel_outbox::kafka::KafkaPublisher;
+///
+/// # async fn run() -> Result<(), diesel_outbox::Error> {
+/// let publisher = KafkaPublisher::builder("127.0.0.1:9092")
+///     .topic_prefix("outbox.")
+///     .connect()
+///     .await?;
+/// # let _ = publisher; Ok(()) }
+/// ```
+pub struct KafkaPublisher {
+    /// `host:port[,…]`: how the brokers are named in errors and logs.
+    endpoint: String,
+    prefix: String,
+    delivery_timeout: Duration,
+    /// Whether the user set `delivery_timeout` (otherwise a relay fits it to its lease).
+    delivery_timeout_set: bool,
+    /// Everything but the message timeout, to make the producer again (with another
+    /// timeout, or after a fatal error).
+    config: ClientConfig,
+    /// Replaced when it lost its standing with the cluster (fenced after an outage, say):
+    /// such a producer never sends again.
+    producer: RwLock<(u64, FutureProducer)>,
+    /// The number of the producer a report said lost its standing (the producers are
+    /// numbered from 1; 0 is none): only that one is replaced, not its successor.
+    spent: AtomicU64,
+}
+
+impl fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("endpoint", &self.endpoint)
+            .field("topic_prefix", &self.prefix)
+            .field("delivery_timeout", &self.delivery_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`KafkaPublisher`]; from [`KafkaPublisher::builder`].
+#[must_use]
+pub struct KafkaPublisherBuilder {
+    brokers: String,
+    prefix: String,
+    delivery_timeout: Duration,
+    delivery_timeout_set: bool,
+    max_message_bytes: Option<usize>,
+}
+
+impl fmt::Debug for KafkaPublisherBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The list is shown only once it is known to hold nothing but hosts and ports.
+        let shown = brokers(&self.brokers).unwrap_or_else(|_| "(not host:port)".into());
+        f.debug_struct("KafkaPublisherBuilder")
+            .field("brokers", &shown)
+            .field("topic_prefix", &self.prefix)
+            .field("delivery_timeout", &self.delivery_timeout)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .finish()
+    }
+}
+
+impl KafkaPublisher {
+    /// A publisher to the Kafka cluster reached through `brokers`: `host:port`, or several
+    /// separated by commas (the bootstrap servers).
+    pub fn builder(brokers: impl Into<String>) -> KafkaPublisherBuilder {
+        KafkaPublisherBuilder {
+            brokers: brokers.into(),
+            prefix: String::new(),
+            delivery_timeout: crate::defaults::DELIVERY_TIMEOUT,
+            delivery_timeout_set: false,
+            max_message_bytes: None,
+        }
+    }
+
+    /// What topics start with: the topic of a record is this prefix + its topic.
+    pub fn topic_prefix(&self) -> &str {
+        &self.prefix
+    }
+}
+
+impl KafkaPublisherBuilder {
+    /// Put in front of every record's topic (`"outbox."` makes topic `order.created` go to
+    /// `outbox.order.created`). Defaults to none.
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest a batch may take; librdkafka gives up on a message a little before
+    /// (its `message.timeout.ms`), which counts as an outage. The relay checks at `build()`
+    /// that it fits in half its lease. Defaults to 10 s.
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.delivery_timeout = timeout;
+        self.delivery_timeout_set = true;
+        self
+    }
+
+    /// The largest message the producer sends (librdkafka's `message.max.bytes`, value,
+    /// key and headers together); a larger one fails permanently without being sent.
+    /// Defaults to librdkafka's 1,000,000. Keep it at or below the broker's own limit.
+    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = Some(bytes);
+        self
+    }
+
+    /// Validates the settings, makes the producer and waits for a broker's answer (failing
+    /// fast on an unreachable cluster). Later losses are repaired by librdkafka itself.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for a broker list that is not `host:port[,…]`, a topic
+    /// prefix that cannot start a topic name, a zero delivery timeout or a message size
+    /// librdkafka refuses; [`Error::Publish`] when no broker answers (naming them and the
+    /// cause).
+    pub async fn connect(self) -> Result<KafkaPublisher> {
+        let endpoint = brokers(&self.brokers).map_err(Error::InvalidOption)?;
+        if !self.prefix.is_empty() {
+            properties::check_topic(&format!("{}x", self.prefix)).map_err(|why| {
+                Error::InvalidOption(format!("topic_prefix cannot start a topic: {why}"))
+            })?;
+        }
+        if self.delivery_timeout.is_zero() {
+            return Err(Error::InvalidOption(
+                "delivery_timeout must be above zero".into(),
+            ));
+        }
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &endpoint)
+            .set("client.id", "diesel-outbox relay")
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "2");
+        if let Some(bytes) = self.max_message_bytes {
+            config.set("message.max.bytes", bytes.to_string());
+        }
+        let producer = producer(&config, self.delivery_timeout).map_err(Error::InvalidOption)?;
+        reachable(&producer, &endpoint, self.delivery_timeout).await?;
+        tracing::info!(endpoint = %endpoint, "connected to Kafka");
+        Ok(KafkaPublisher {
+            endpoint,
+            prefix: self.prefix,
+            delivery_timeout: self.delivery_timeout,
+            delivery_timeout_set: self.delivery_timeout_set,
+            config,
+            producer: RwLock::new((1, producer)),
+            spent: AtomicU64::new(0),
+        })
+    }
+}
+
+crate::broker::pipeline::pipelined_publisher!(KafkaPublisher);
+
+impl KafkaPublisher {
+    /// The producer to send a batch with: the current one, or a new one when the current
+    /// one lost its standing with the cluster (an idempotent producer fenced after an
+    /// outage never sends again, and librdkafka may or may not call that fatal). `Err`
+    /// when a new one cannot be made.
+    fn live_producer(&self) -> std::result::Result<(u64, FutureProducer), String> {
+        let spent = |slot: &(u64, FutureProducer)| {
+            self.spent.load(Ordering::SeqCst) == slot.0 || slot.1.client().fatal_error().is_some()
+        };
+        {
+            let current = self.producer.read().unwrap_or_else(PoisonError::into_inner);
+            if !spent(&current) {
+                return Ok(current.clone());
+            }
+        }
+        let mut slot = self
+            .producer
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if spent(&slot) {
+            let why = slot.1.client().fatal_error().map_or_else(
+                || "fenced".to_owned(),
+                |(code, why)| format!("{code:?}: {why}"),
+            );
+            tracing::warn!(endpoint = %self.endpoint, error = %why, "the Kafka producer lost its standing: making a new one");
+            *slot = (slot.0 + 1, producer(&self.config, self.delivery_timeout)?);
+        }
+        Ok(slot.clone())
+    }
+
+    /// A report said producer number `number` lost its standing: the next batch makes a
+    /// new one (unless that happened already).
+    fn mark_spent(&self, number: u64) {
+        self.spent.store(number, Ordering::SeqCst);
+    }
+}
+
+/// The broker list `brokers` as `host:port,…`, or why it is not one. It is echoed only
+/// when it holds nothing but host names and ports.
+pub(crate) fn brokers(brokers: &str) -> std::result::Result<String, String> {
+    let mut named = Vec::new();
+    for broker in brokers.split(',').map(str::trim) {
+        let valid = broker.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty()
+                && host.chars().all(|c| {
+                    c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '[' | ']' | ':')
+                })
+                && port.parse::<u16>().is_ok_and(|p| p > 0)
+        });
+        if !valid {
+            return Err(format!(
+                "the Kafka brokers must be `host:port` separated by commas (got {} entr{} \
+                 of which one is not)",
+                brokers.split(',').count(),
+                if brokers.split(',').count() == 1 {
+                    "y"
+                } else {
+                    "ies"
+                }
+            ));
+        }
+        named.push(broker);
+    }
+    Ok(named.join(","))
+}
+
+/// A producer with `config` and a message timeout a little under `timeout`, so that
+/// librdkafka's report of a message it gave up on arrives before the batch's deadline.
+pub(crate) fn producer(
+    config: &ClientConfig,
+    timeout: Duration,
+) -> std::result::Result<FutureProducer, String> {
+    let margin = (timeout / 10).min(Duration::from_secs(1));
+    let message_timeout = (timeout - margin).max(Duration::from_millis(1));
+    let millis = message_timeout.as_millis().max(1).to_string();
+    let mut config = config.clone();
+    // A request to a broker that stopped answering ends by then too, so its messages are
+    // reported (as timed out) rather than kept in flight.
+    config
+        .set("message.timeout.ms", &millis)
+        .set("request.timeout.ms", &millis);
+    config
+        .create()
+        .map_err(|e| format!("the Kafka producer refused its settings: {e}"))
+}
+
+/// Waits up to `timeout` for a broker to answer a metadata request.
+pub(crate) async fn reachable(
+    producer: &FutureProducer,
+    endpoint: &str,
+    timeout: Duration,
+) -> Result<()> {
+    let producer = producer.clone();
+    let asked = tokio::task::spawn_blocking(move || {
+        producer
+            .client()
+            .fetch_metadata(None, timeout)
+            .map(|m| m.brokers().len())
+    })
+    .await
+    .map_err(|e| Error::Publish(PublishError::unavailable(e.to_string()).into()))?;
+    match asked {
+        Ok(n) if n > 0 => Ok(()),
+        Ok(_) => Err(Error::Publish(
+            PublishError::unavailable(format!("Kafka at {endpoint} named no broker")).into(),
+        )),
+        Err(e) => Err(Error::Publish(
+            PublishError::unavailable(format!(
+                "no Kafka broker at {endpoint} answered within {timeout:?}: {e}"
+            ))
+            .into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_list_is_host_and_port_each() {
+        assert_eq!(
+            brokers("k1:9092, k2.internal:9093").unwrap(),
+            "k1:9092,k2.internal:9093"
+        );
+        for bad in [
+            "",
+            "k1",
+            "k1:0",
+            "k1:x",
+            "kafka://k1:9092",
+            "user:s3cret@k1:9092",
+        ] {
+            let err = brokers(bad).expect_err(bad);
+            assert!(!err.contains("s3cret"), "{err}");
+        }
+    }
+}

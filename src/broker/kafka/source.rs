@@ -1,0 +1,327 @@
+//! The consumer runner's Kafka source, public as `consumer::kafka::Source` (its docs are
+//! there).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures_util::future::BoxFuture;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
+
+use super::brokers;
+use super::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, check_topic};
+use crate::consumer::{Delivery, Incoming, Settle};
+use crate::error::BoxError;
+use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+
+/// Kafka topics, consumed by a consumer group, as the source of a
+/// [`Consumer`](crate::consumer::Consumer).
+pub struct Source {
+    brokers: String,
+    group: String,
+    topics: Vec<String>,
+    prefix: String,
+    offsets: Arc<Mutex<Offsets>>,
+    consumer: Option<Arc<StreamConsumer<Tracked>>>,
+}
+
+impl fmt::Debug for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Source")
+            .field(
+                "brokers",
+                &brokers(&self.brokers).unwrap_or_else(|_| "(not host:port)".into()),
+            )
+            .field("group", &self.group)
+            .field("topics", &self.topics)
+            .field("subscribed", &self.consumer.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Source {
+    /// Consumes `topics` on the Kafka cluster reached through `brokers` (`host:port`, or
+    /// several separated by commas) as a member of consumer group `group`. A group that
+    /// has committed nothing starts at the beginning of each partition.
+    pub fn group(
+        brokers: impl Into<String>,
+        group: impl Into<String>,
+        topics: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        Source {
+            brokers: brokers.into(),
+            group: group.into(),
+            topics: topics.into_iter().map(Into::into).collect(),
+            prefix: String::new(),
+            offsets: Arc::default(),
+            consumer: None,
+        }
+    }
+
+    /// The relay's topic prefix: taken off the front of each topic to give the delivery's
+    /// topic (as the record had it). Defaults to none.
+    pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    fn subscribe(&mut self) -> Result<Arc<StreamConsumer<Tracked>>, BoxError> {
+        if let Some(consumer) = &self.consumer {
+            return Ok(consumer.clone());
+        }
+        let endpoint = brokers(&self.brokers)?;
+        let consumer: StreamConsumer<Tracked> = ClientConfig::new()
+            .set("bootstrap.servers", &endpoint)
+            .set("group.id", &self.group)
+            .set("client.id", "diesel-outbox consumer")
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create_with_context(Tracked {
+                offsets: self.offsets.clone(),
+            })
+            .map_err(|e| format!("the Kafka consumer for {endpoint}: {e}"))?;
+        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|e| format!("subscribing to {topics:?} on Kafka at {endpoint}: {e}"))?;
+        let consumer = Arc::new(consumer);
+        self.consumer = Some(consumer.clone());
+        Ok(consumer)
+    }
+
+    /// The message as a delivery, or `None` when it has no idempotency key.
+    fn delivery(&self, message: &BorrowedMessage<'_>) -> Option<Delivery> {
+        let mut headers = BTreeMap::new();
+        if let Some(all) = message.headers() {
+            for header in all.iter() {
+                let value = header
+                    .value
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                    .unwrap_or_default();
+                headers.insert(header.key.to_owned(), value);
+            }
+        }
+        let key = headers.remove(MESSAGE_ID_HEADER)?;
+        let topic = message.topic();
+        Some(Delivery {
+            key,
+            topic: topic.strip_prefix(&self.prefix).unwrap_or(topic).to_owned(),
+            payload: message.payload().unwrap_or_default().to_vec(),
+            content_type: headers.remove(CONTENT_TYPE_HEADER),
+            attempt: headers
+                .remove(ATTEMPT_HEADER)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(1),
+            aggregate_key: headers.remove(AGGREGATE_HEADER),
+            headers,
+            redelivered: false,
+        })
+    }
+}
+
+impl crate::consumer::Source for Source {
+    async fn next(&mut self, _prefetch: u16) -> Result<Incoming, BoxError> {
+        let consumer = self.subscribe()?;
+        loop {
+            // Cancel safe: a message is taken off librdkafka's queue only when returned.
+            let message = consumer
+                .recv()
+                .await
+                .map_err(|e| format!("Kafka consumer group {}: {e}", self.group))?;
+            let (topic, partition, offset) = (
+                message.topic().to_owned(),
+                message.partition(),
+                message.offset(),
+            );
+            let epoch = lock(&self.offsets).handed(&topic, partition, offset);
+            let settle = Box::new(Commit {
+                consumer: consumer.clone(),
+                offsets: self.offsets.clone(),
+                topic,
+                partition,
+                offset,
+                epoch,
+            });
+            let Some(delivery) = self.delivery(&message) else {
+                tracing::warn!(
+                    topic = %message.topic(), partition, offset,
+                    "a Kafka message without {MESSAGE_ID_HEADER} cannot be deduplicated: skipped"
+                );
+                drop(message);
+                let _ = settle.commit();
+                continue;
+            };
+            return Ok(Incoming { delivery, settle });
+        }
+    }
+
+    fn check(&self) -> Result<(), BoxError> {
+        brokers(&self.brokers)?;
+        if self.group.is_empty() {
+            return Err("the Kafka consumer group is empty".into());
+        }
+        if self.topics.is_empty() {
+            return Err("the Kafka source needs at least one topic".into());
+        }
+        for topic in &self.topics {
+            check_topic(topic)?;
+        }
+        Ok(())
+    }
+
+    async fn close(&mut self) {
+        if let Some(consumer) = self.consumer.take() {
+            consumer.unsubscribe();
+        }
+        *lock(&self.offsets) = Offsets::default();
+    }
+}
+
+fn lock(offsets: &Mutex<Offsets>) -> std::sync::MutexGuard<'_, Offsets> {
+    offsets.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The offsets handed out and not settled yet, per partition this member holds: what may
+/// be committed is the lowest of them (everything before it is settled), or past the last
+/// one handed out when none is left.
+#[derive(Default)]
+struct Offsets {
+    partitions: HashMap<(String, i32), Partition>,
+    /// Numbers each partition's tracking, so that a settle from before the partition was
+    /// revoked (and perhaps assigned again) commits nothing.
+    epochs: u64,
+}
+
+struct Partition {
+    epoch: u64,
+    unsettled: BTreeSet<i64>,
+    next: i64,
+    committed: i64,
+}
+
+impl Offsets {
+    /// `offset` was handed out; returns the partition's epoch.
+    fn handed(&mut self, topic: &str, partition: i32, offset: i64) -> u64 {
+        let epochs = &mut self.epochs;
+        let part = self
+            .partitions
+            .entry((topic.to_owned(), partition))
+            .or_insert_with(|| {
+                *epochs += 1;
+                Partition {
+                    epoch: *epochs,
+                    unsettled: BTreeSet::new(),
+                    next: offset,
+                    committed: offset,
+                }
+            });
+        part.unsettled.insert(offset);
+        part.next = part.next.max(offset + 1);
+        part.epoch
+    }
+
+    /// `offset` is settled: the position to commit, if it moved.
+    fn settled(&mut self, topic: &str, partition: i32, offset: i64, epoch: u64) -> Option<i64> {
+        let part = self.partitions.get_mut(&(topic.to_owned(), partition))?;
+        if part.epoch != epoch || !part.unsettled.remove(&offset) {
+            return None;
+        }
+        let position = part.unsettled.first().copied().unwrap_or(part.next);
+        (position > part.committed).then(|| {
+            part.committed = position;
+            position
+        })
+    }
+
+    /// The partition went to another member: what was handed out here commits nothing.
+    fn forget(&mut self, topic: &str, partition: i32) {
+        self.partitions.remove(&(topic.to_owned(), partition));
+    }
+}
+
+/// The consumer's context: forgets revoked partitions before they go.
+struct Tracked {
+    offsets: Arc<Mutex<Offsets>>,
+}
+
+impl ClientContext for Tracked {}
+
+impl ConsumerContext for Tracked {
+    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(revoked) = rebalance {
+            let mut offsets = lock(&self.offsets);
+            for element in revoked.elements() {
+                offsets.forget(element.topic(), element.partition());
+            }
+        }
+    }
+}
+
+/// Settles one message: commits the partition's position once everything before it is
+/// settled too.
+struct Commit {
+    consumer: Arc<StreamConsumer<Tracked>>,
+    offsets: Arc<Mutex<Offsets>>,
+    topic: String,
+    partition: i32,
+    offset: i64,
+    epoch: u64,
+}
+
+impl Commit {
+    fn commit(&self) -> Result<(), BoxError> {
+        let position =
+            lock(&self.offsets).settled(&self.topic, self.partition, self.offset, self.epoch);
+        let Some(position) = position else {
+            return Ok(());
+        };
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset(&self.topic, self.partition, Offset::Offset(position))?;
+        self.consumer.commit(&list, CommitMode::Async)?;
+        Ok(())
+    }
+}
+
+impl Settle for Commit {
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
+        Box::pin(async move { self.commit() })
+    }
+
+    fn reject(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
+        // Kafka has no dead letters of its own: the message is skipped.
+        tracing::warn!(
+            topic = %self.topic, partition = self.partition, offset = self.offset,
+            "a Kafka message the handler rejected is skipped"
+        );
+        Box::pin(async move { self.commit() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_position_moves_only_past_what_is_settled() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.handed("t", 0, 10);
+        offsets.handed("t", 0, 11);
+        offsets.handed("t", 0, 12);
+        // 11 and 12 settle first: 10 is still open, nothing may be committed.
+        assert_eq!(offsets.settled("t", 0, 11, epoch), None);
+        assert_eq!(offsets.settled("t", 0, 12, epoch), None);
+        // Then 10: everything up to 12 is done, the position is 13.
+        assert_eq!(offsets.settled("t", 0, 10, epoch), Some(13));
+        // A partition revoked and assigned again: a late settle commits nothing.
+        offsets.handed("t", 0, 13);
+        offsets.forget("t", 0);
+        let again = offsets.handed("t", 0, 13);
+        assert_ne!(again, epoch);
+        assert_eq!(offsets.settled("t", 0, 13, epoch), None);
+        assert_eq!(offsets.settled("t", 0, 13, again), Some(14));
+    }
+}

