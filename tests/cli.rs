@@ -783,19 +783,8 @@ async fn declare_creates_the_topology_and_a_relay_on_a_missing_exchange_exits_fi
         "{stderr}"
     );
 
-    let amqp = common::broker::connect().await;
-    let channel = amqp.create_channel().await.unwrap();
     let dead = format!("{queue}.dead");
-    for q in [&queue, &dead] {
-        let _ = channel
-            .queue_delete(q.as_str().into(), Default::default())
-            .await;
-    }
-    for x in [&exchange, &dead] {
-        let _ = channel
-            .exchange_delete(x.as_str().into(), Default::default())
-            .await;
-    }
+    common::broker::delete(&[&queue, &dead], &[&exchange, &dead]).await;
     let js = async_nats::jetstream::new(common::nats::connect().await);
     let _ = js.delete_stream(&stream).await;
 }

@@ -90,6 +90,16 @@ fn one_error_line(output: &Output, code: i32) -> String {
     lines[0].to_owned()
 }
 
+/// `text` says the connection to `port` was refused, and shows no secret.
+fn assert_refused(text: &str, port: u16) {
+    assert!(
+        text.contains(&format!("127.0.0.1:{port}"))
+            && text.contains("Connection refused")
+            && !text.contains(SECRET),
+        "{text}"
+    );
+}
+
 /// A port nothing listens on.
 fn closed_port() -> u16 {
     let [port] = free_ports();
@@ -126,12 +136,7 @@ async fn postgres_failures_name_the_server_and_the_cause_never_the_password() {
     .err()
     .expect("nothing listens")
     .to_string();
-    assert!(
-        refused.contains(&format!("127.0.0.1:{port}"))
-            && refused.contains("Connection refused")
-            && !refused.contains(SECRET),
-        "{refused}"
-    );
+    assert_refused(&refused, port);
 
     // A pool gives up after its timeout; `checkout` says why.
     let pool: PgPool = PgPool::builder()
@@ -218,12 +223,7 @@ async fn rabbitmq_failures_name_the_broker_and_the_cause_never_the_password() {
     .await
     .expect_err("nothing listens")
     .to_string();
-    assert!(
-        refused.contains(&format!("127.0.0.1:{port}"))
-            && refused.contains("Connection refused")
-            && !refused.contains(SECRET),
-        "{refused}"
-    );
+    assert_refused(&refused, port);
 
     // A consumer keeps trying (the password may be rotated in), and its health says why.
     let schema = common::TestSchema::new().await;

@@ -14,10 +14,23 @@ use common::{
 use diesel_async::SimpleAsyncConnection;
 use diesel_outbox::consumer::{Consumer, kafka};
 use diesel_outbox::kafka::{KafkaPublisher, Topology};
-use diesel_outbox::{Error, Message};
+use diesel_outbox::Message;
 
 fn skipped(test: &str) -> bool {
     !common::services::needs(test, common::kafka::missing().or_else(Tansu::missing))
+}
+
+/// A unique topic prefix, and under it topic `name` with `partitions`, on `brokers`.
+async fn topic(brokers: &str, name: &str, partitions: u32) -> (String, String) {
+    let prefix = format!("{}.", unique("outbox_kafka"));
+    let topic = format!("{prefix}{name}");
+    Topology::new()
+        .topic(&topic, partitions)
+        .replication(1)
+        .declare(brokers)
+        .await
+        .unwrap();
+    (prefix, topic)
 }
 
 async fn publisher(brokers: &str, prefix: &str, timeout: Duration) -> KafkaPublisher {
@@ -40,35 +53,9 @@ async fn committed_messages_reach_the_consumer_once_in_order_per_aggregate() {
         return;
     }
     let mut f = fixture().await;
-    let prefix = format!("{}.", unique("outbox_kafka"));
-    let topic = format!("{prefix}order.updated");
-    Topology::new()
-        .topic(&topic, 3)
-        .replication(1)
-        .declare(&brokers())
-        .await
-        .unwrap();
+    let (prefix, topic) = topic(&brokers(), "order.updated", 3).await;
     let effects = Effects::create(&mut f).await;
-    for seq in 0..5 {
-        for agg in 0..4 {
-            let payload = serde_json::json!({ "seq": seq });
-            f.enqueue(
-                Message::json("order.updated", &payload)
-                    .unwrap()
-                    .key(format!("a{agg}-{seq}"))
-                    .aggregate_key(format!("a{agg}")),
-            )
-            .await;
-        }
-    }
-    let outbox = f.outbox.clone();
-    let _ = diesel_async::AsyncConnection::transaction(&mut f.conn, async |c| {
-        outbox
-            .enqueue(c, Message::new("order.updated", "x").key("never"))
-            .await?;
-        Err::<(), _>(Error::InvalidMessage("roll back".into()))
-    })
-    .await;
+    Effects::enqueue_orders(&mut f, 4, 5).await;
 
     let relay = f
         .outbox
@@ -160,13 +147,7 @@ async fn a_paused_broker_spends_no_attempts_and_the_backlog_drains_when_it_resum
     let mut f = fixture().await;
     // A broker of the test's own: pausing it touches no other test.
     let tansu = Tansu::start();
-    let prefix = format!("{}.", unique("outbox_kafka"));
-    Topology::new()
-        .topic(format!("{prefix}t"), 1)
-        .replication(1)
-        .declare(&tansu.brokers)
-        .await
-        .unwrap();
+    let (prefix, topic) = topic(&tansu.brokers, "t", 1).await;
     let publisher = publisher(&tansu.brokers, &prefix, Duration::from_secs(1)).await;
     let (stop, task) = spawn_relay(f.outage_relay(publisher));
     tansu.pause();
@@ -190,7 +171,7 @@ async fn a_paused_broker_spends_no_attempts_and_the_backlog_drains_when_it_resum
     };
     let stored = read_until(
         &tansu.brokers,
-        &[format!("{prefix}t")],
+        &[topic],
         1,
         "30 distinct messages",
         |read| distinct(read) >= 30,
@@ -207,13 +188,7 @@ async fn a_message_over_the_size_limit_dies_alone() {
         return;
     }
     let mut f = fixture().await;
-    let prefix = format!("{}.", unique("outbox_kafka"));
-    Topology::new()
-        .topic(format!("{prefix}t"), 1)
-        .replication(1)
-        .declare(&brokers())
-        .await
-        .unwrap();
+    let (prefix, _) = topic(&brokers(), "t", 1).await;
     for i in 0..5 {
         let payload = if i == 2 {
             vec![b'x'; 128 * 1024]

@@ -33,27 +33,7 @@ async fn committed_messages_reach_the_consumer_once_and_a_republish_is_stored_on
     let stream = TestStream::new().await;
     stream.durable("invoicing", Duration::from_secs(5)).await;
     let effects = Effects::create(&mut f).await;
-    for seq in 0..5 {
-        for agg in 0..4 {
-            let payload = serde_json::json!({ "seq": seq });
-            f.enqueue(
-                Message::json("order.updated", &payload)
-                    .unwrap()
-                    .key(format!("a{agg}-{seq}"))
-                    .aggregate_key(format!("a{agg}")),
-            )
-            .await;
-        }
-    }
-    // In a transaction that rolls back.
-    let outbox = f.outbox.clone();
-    let _ = diesel_async::AsyncConnection::transaction(&mut f.conn, async |c| {
-        outbox
-            .enqueue(c, Message::new("order.updated", "x").key("never"))
-            .await?;
-        Err::<(), _>(Error::InvalidMessage("roll back".into()))
-    })
-    .await;
+    Effects::enqueue_orders(&mut f, 4, 5).await;
 
     let relay = f
         .outbox

@@ -751,15 +751,5 @@ async fn the_topology_declares_what_the_relay_and_consumers_need() {
         matches!(&misfit, Error::InvalidOption(m) if m.contains(&format!("queue `{queue}` cannot be declared"))),
         "{misfit:?}"
     );
-    let channel = amqp.create_channel().await.unwrap();
-    for q in [&queue, &dead] {
-        let _ = channel
-            .queue_delete(q.as_str().into(), Default::default())
-            .await;
-    }
-    for x in [&exchange, &dead] {
-        let _ = channel
-            .exchange_delete(x.as_str().into(), Default::default())
-            .await;
-    }
+    common::broker::delete(&[&queue, &dead], &[&exchange, &dead]).await;
 }

@@ -399,3 +399,17 @@ pub fn connections_named(name: &str) -> Vec<bool> {
         .map(|line| line.starts_with("true"))
         .collect()
 }
+
+/// Deletes `queues` and `exchanges` (what a test declared), ignoring what is gone already.
+pub async fn delete(queues: &[&str], exchanges: &[&str]) {
+    let amqp = connect().await;
+    let channel = amqp.create_channel().await.unwrap();
+    for q in queues {
+        let _ = channel.queue_delete((*q).into(), Default::default()).await;
+    }
+    for x in exchanges {
+        let _ = channel
+            .exchange_delete((*x).into(), Default::default())
+            .await;
+    }
+}

@@ -410,6 +410,35 @@ pub struct Effect {
 }
 
 impl Effects {
+    /// Enqueues what [`Effects::handler`] applies: for aggregates `a0..a{aggregates}`,
+    /// `order.updated` JSON messages with `seq` 0 to `per - 1` (keys `a{agg}-{seq}`),
+    /// interleaved; then one message with key `never` in a transaction that rolls back.
+    pub async fn enqueue_orders(f: &mut Fixture, aggregates: usize, per: i32) {
+        for seq in 0..per {
+            for agg in 0..aggregates {
+                let payload = serde_json::json!({ "seq": seq });
+                f.enqueue(
+                    diesel_outbox::Message::json("order.updated", &payload)
+                        .unwrap()
+                        .key(format!("a{agg}-{seq}"))
+                        .aggregate_key(format!("a{agg}")),
+                )
+                .await;
+            }
+        }
+        let outbox = f.outbox.clone();
+        let _ = diesel_async::AsyncConnection::transaction(&mut f.conn, async |c| {
+            outbox
+                .enqueue(
+                    c,
+                    diesel_outbox::Message::new("order.updated", "x").key("never"),
+                )
+                .await?;
+            Err::<(), _>(diesel_outbox::Error::InvalidMessage("roll back".into()))
+        })
+        .await;
+    }
+
     pub async fn create(f: &mut Fixture) -> Effects {
         let table = format!("{}.effects", f.schema.name);
         f.conn

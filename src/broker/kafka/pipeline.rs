@@ -112,7 +112,6 @@ impl Pipelined for KafkaPublisher {
         if !ended.complete {
             tracing::warn!(endpoint = %self.endpoint, timeout = ?self.delivery_timeout, "Kafka delivery timeout");
         }
-        let in_flight = batch.producer.in_flight_count();
         batch
             .results
             .into_iter()
@@ -121,6 +120,7 @@ impl Pipelined for KafkaPublisher {
                 // means no broker answered (one that stopped responding keeps its
                 // requests in flight), which is an outage.
                 r.unwrap_or_else(|| {
+                    let in_flight = batch.producer.in_flight_count();
                     Err(PublishError::unavailable(format!(
                         "Kafka at {} sent no delivery report within the delivery timeout \
                          ({:?}; {in_flight} messages still in flight)",
