@@ -12,9 +12,9 @@ use common::{
     DEADLINE, Effects, eventually, fixture, spawn_consumer, spawn_relay, stop_relay, unique,
 };
 use diesel_async::SimpleAsyncConnection;
+use diesel_outbox::Message;
 use diesel_outbox::consumer::{Consumer, kafka};
 use diesel_outbox::kafka::{KafkaPublisher, Topology};
-use diesel_outbox::Message;
 
 fn skipped(test: &str) -> bool {
     !common::services::needs(test, common::kafka::missing().or_else(Tansu::missing))
