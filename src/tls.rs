@@ -73,7 +73,7 @@ impl Tls {
     }
 
     /// Reads the files.
-    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
     pub(crate) fn load(&self) -> Result<Loaded, String> {
         let ca = self.ca_file.as_deref().map(Pem::certificates).transpose()?;
         let client = self
@@ -89,7 +89,7 @@ impl Tls {
 #[derive(Clone)]
 pub(crate) struct Pem<T> {
     /// The file's text, as lapin takes it.
-    #[cfg_attr(not(feature = "rabbitmq"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "rabbitmq", feature = "kafka")), allow(dead_code))]
     pub(crate) text: String,
     pub(crate) items: T,
 }
@@ -134,7 +134,7 @@ fn read(path: &Path, what: &str) -> Result<String, String> {
 }
 
 /// A [`Tls`] with its files read.
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
 pub(crate) struct Loaded {
     pub(crate) ca: Option<Pem<Vec<CertificateDer<'static>>>>,
     pub(crate) client: Option<ClientCert>,

@@ -1,7 +1,7 @@
 //! TLS and credentials against real servers, with the encryption proved from the server's
 //! side: a PostgreSQL server of the test's own (its CA, its `pg_hba.conf`), RabbitMQ's own
-//! TLS listener (set up by `.ci/run`), and a nats-server the test starts with TLS and NKey
-//! authentication.
+//! TLS listener (set up by `.ci/run`), a nats-server the test starts with TLS and NKey
+//! authentication, and a Tansu (Kafka) the test starts behind a TLS listener of its own.
 #![cfg(feature = "cli")]
 
 mod common;
@@ -757,4 +757,201 @@ async fn the_binary_relays_to_nats_over_tls_with_its_seed_from_a_file() {
     let log = log.join().unwrap();
     assert!(log.contains("relay stopped"), "{log}");
     assert!(!log.contains(&nats.seed), "the seed in the logs");
+}
+
+/// Over TLS to Kafka: topics declared, a record produced, consumed by the consumer
+/// runner's source; the TLS listener in front of the broker made a handshake for each
+/// client and refused none.
+#[tokio::test]
+async fn kafka_declares_publishes_and_consumes_over_tls() {
+    if !common::services::needs(
+        "kafka_declares_publishes_and_consumes_over_tls",
+        common::kafka::Tansu::missing(),
+    ) {
+        return;
+    }
+    use diesel_outbox::consumer::kafka::Source;
+    use diesel_outbox::kafka::{KafkaPublisher, Topology};
+    let kafka = common::kafka::TlsTansu::start(&[]).await;
+    let tls = diesel_outbox::Tls::new().ca_file(&kafka.ca);
+    let topic = common::unique("tls");
+    Topology::new()
+        .topic(&topic, 1)
+        .tls(tls.clone())
+        .declare(&kafka.brokers)
+        .await
+        .unwrap();
+    let publisher = KafkaPublisher::builder(&kafka.brokers)
+        .tls(tls.clone())
+        .connect()
+        .await
+        .unwrap();
+    let record = diesel_outbox::Record::new("over-kafka-tls", &topic, "x");
+    diesel_outbox::Publisher::publish(&publisher, &record)
+        .await
+        .unwrap();
+    let schema = common::TestSchema::new().await;
+    let source = Source::group(&kafka.brokers, common::unique("tls"), [topic]).tls(tls);
+    let ((stop, task), handled) = consumer(&schema, source).await;
+    wait_handled(&handled, &["over-kafka-tls"]).await;
+    common::stop_relay(stop, task).await;
+    let (made, refused) = (kafka.handshakes(), kafka.refused());
+    // The admin client, the producer and the consumer: each at least once.
+    assert!(made >= 3, "{made} TLS handshakes");
+    assert_eq!(refused, 0, "a client did not speak TLS");
+}
+
+/// A CA that did not sign the broker's certificate, the platform's roots alone, a refused
+/// SASL login, an empty user and a CA file that is not there: each fails with its cause,
+/// never the password.
+#[tokio::test]
+async fn kafka_tls_and_sasl_mistakes_name_their_cause() {
+    if !common::services::needs(
+        "kafka_tls_and_sasl_mistakes_name_their_cause",
+        common::kafka::Tansu::missing(),
+    ) {
+        return;
+    }
+    use diesel_outbox::Error;
+    use diesel_outbox::kafka::{KafkaPublisher, Sasl};
+    let kafka = common::kafka::TlsTansu::start(&["--authentication"]).await;
+    let other = write(&tempdir(), "other-ca.pem", &Ca::new("another CA").cert());
+    let connect = async |tls: diesel_outbox::Tls, sasl: Option<Sasl>| {
+        let mut builder = KafkaPublisher::builder(&kafka.brokers)
+            .tls(tls)
+            .delivery_timeout(Duration::from_secs(3));
+        if let Some(sasl) = sasl {
+            builder = builder.sasl(sasl);
+        }
+        builder.connect().await.map(|_| ())
+    };
+    for tls in [
+        diesel_outbox::Tls::new().ca_file(&other),
+        diesel_outbox::Tls::new(),
+    ] {
+        let err = connect(tls, None).await.unwrap_err().to_string();
+        assert!(
+            err.contains("certificate verify failed") && err.contains(&kafka.brokers),
+            "{err}"
+        );
+    }
+    assert!(kafka.refused() > 0);
+    let tls = diesel_outbox::Tls::new().ca_file(&kafka.ca);
+    let refused = connect(tls.clone(), Some(Sasl::scram_sha256("nobody", "hunter2")))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("SASL") && refused.contains("authentication"),
+        "{refused}"
+    );
+    assert!(!refused.contains("hunter2"), "{refused}");
+    let empty = connect(tls, Some(Sasl::plain("", "hunter2")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&empty, Error::InvalidOption(m) if m.contains("user is empty")),
+        "{empty}"
+    );
+    let missing = connect(
+        diesel_outbox::Tls::new().ca_file("/nonexistent/kafka-ca.pem"),
+        None,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&missing, Error::InvalidOption(m) if m.contains("/nonexistent/kafka-ca.pem")),
+        "{missing}"
+    );
+}
+
+/// The binary over TLS to Kafka: `declare` and `relay` with `--kafka-tls-ca` (the row is
+/// marked sent only once the broker reported it stored); and with a SASL login the broker
+/// refuses, with its password from a file, `relay` fails at start naming the cause, and
+/// the password never reaches its log, even at trace.
+// Two workers: the TLS listener runs on the test's runtime while the test waits for the
+// binary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_relays_to_kafka_over_tls() {
+    if !common::services::needs(
+        "the_binary_relays_to_kafka_over_tls",
+        common::kafka::Tansu::missing(),
+    ) {
+        return;
+    }
+    let kafka = common::kafka::TlsTansu::start(&[]).await;
+    let topic = common::unique("cli_tls");
+    let declared = Command::new(BIN)
+        .args(["declare", "--broker", "kafka", "--topic", &topic])
+        .args(["--kafka-brokers", &kafka.brokers, "--kafka-tls-ca"])
+        .arg(&kafka.ca)
+        .output()
+        .unwrap();
+    assert!(declared.status.success(), "{declared:?}");
+    let schema = common::TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    conn.transaction(async |c| {
+        outbox
+            .enqueue(c, Message::new(topic.as_str(), "x").key("cli-kafka-tls"))
+            .await
+    })
+    .await
+    .unwrap();
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "relay", "--broker", "kafka"])
+        .args(["--kafka-brokers", &kafka.brokers, "--kafka-tls-ca"])
+        .arg(&kafka.ca)
+        .env("DATABASE_URL", common::database_url())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    common::eventually(common::DEADLINE, "the row sent", || async {
+        #[derive(QueryableByName)]
+        struct Sent {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let sent: Sent = diesel::sql_query(format!(
+            "SELECT count(*) AS n FROM {table} WHERE status = 'sent'"
+        ))
+        .get_result(&mut schema.connect().await)
+        .await
+        .ok()?;
+        (sent.n == 1).then_some(())
+    })
+    .await;
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status();
+    assert!(relay.wait().unwrap().success());
+
+    let guarded = common::kafka::TlsTansu::start(&["--authentication"]).await;
+    let password = write(&tempdir(), "password", "hunter2\n");
+    let refused = Command::new(BIN)
+        .args(["--table", &table, "relay", "--broker", "kafka"])
+        .args(["--kafka-brokers", &guarded.brokers, "--kafka-tls-ca"])
+        .arg(&guarded.ca)
+        .args([
+            "--kafka-sasl-mechanism",
+            "scram-sha-512",
+            "--kafka-user",
+            "nobody",
+        ])
+        .args(["--confirm-timeout", "3s"])
+        .env("KAFKA_PASSWORD_FILE", &password)
+        .env("DATABASE_URL", common::database_url())
+        .env("RUST_LOG", "trace")
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{log}");
+    assert!(
+        log.contains("SASL") && log.contains("authentication"),
+        "{log}"
+    );
+    assert!(!log.contains("hunter2"), "the password in the logs");
 }

@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -110,17 +111,25 @@ impl Tansu {
     }
 
     pub fn start() -> Tansu {
+        Tansu::start_with(None, &[])
+    }
+
+    /// One that names `advertised` as its address to clients (a listener in front of it),
+    /// started with `args` besides.
+    pub fn start_with(advertised: Option<std::net::SocketAddr>, args: &[&str]) -> Tansu {
         let bin = tansu_bin().expect("a Tansu binary");
         let [port] = super::cluster::free_ports();
         let url = format!("tcp://127.0.0.1:{port}");
+        let advertised = advertised.map_or_else(|| url.clone(), |a| format!("tcp://{a}"));
         let child = Command::new(bin)
             .args([
                 "broker",
                 "--listener-url",
                 &url,
                 "--advertised-listener-url",
-                &url,
+                &advertised,
             ])
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -162,6 +171,97 @@ impl Tansu {
 impl Drop for Tansu {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// A Tansu of a test's own behind a TLS listener of the test's own (Tansu 0.6's own TLS
+/// listener does not answer TLS clients): clients connect to `brokers` with TLS, verifying
+/// a certificate for `localhost` and `127.0.0.1` from the test's CA, and the listener
+/// forwards the decrypted stream to Tansu, which names the listener as its address. The
+/// listener counts handshakes made and refused: the encryption proved from the server's
+/// side.
+pub struct TlsTansu {
+    pub tansu: Tansu,
+    /// `127.0.0.1:<port>` of the TLS listener.
+    pub brokers: String,
+    /// The CA that signed the listener's certificate.
+    pub ca: PathBuf,
+    pub dir: PathBuf,
+    handshakes: Arc<AtomicUsize>,
+    refused: Arc<AtomicUsize>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl TlsTansu {
+    /// TLS handshakes made so far.
+    pub fn handshakes(&self) -> usize {
+        self.handshakes.load(Ordering::SeqCst)
+    }
+
+    /// Connections that did not complete a TLS handshake.
+    pub fn refused(&self) -> usize {
+        self.refused.load(Ordering::SeqCst)
+    }
+
+    /// Starts both; `args` go to Tansu (`--authentication`, say).
+    pub async fn start(args: &[&str]) -> TlsTansu {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let dir = std::env::temp_dir().join(super::unique("outbox_tls_kafka"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = super::tls::Ca::new("diesel-outbox test CA");
+        let server = ca.server(&["localhost", "127.0.0.1"]);
+        let ca_file = super::tls::write(&dir, "ca.pem", &ca.cert());
+        let certs = CertificateDer::pem_slice_iter(server.cert.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(server.key.as_bytes()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let tansu = Tansu::start_with(Some(addr), args);
+        let upstream: std::net::SocketAddr = tansu.brokers.parse().unwrap();
+        let handshakes = Arc::new(AtomicUsize::new(0));
+        let refused = Arc::new(AtomicUsize::new(0));
+        let (made, failed) = (handshakes.clone(), refused.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let (acceptor, made, failed) = (acceptor.clone(), made.clone(), failed.clone());
+                tokio::spawn(async move {
+                    let Ok(mut client) = acceptor.accept(client).await else {
+                        failed.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    };
+                    made.fetch_add(1, Ordering::SeqCst);
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        TlsTansu {
+            tansu,
+            brokers: addr.to_string(),
+            ca: ca_file,
+            dir,
+            handshakes,
+            refused,
+            accept,
+        }
+    }
+}
+
+impl Drop for TlsTansu {
+    fn drop(&mut self) {
+        self.accept.abort();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -23,6 +23,19 @@ pub(crate) enum Broker {
     Kafka,
 }
 
+/// The SASL mechanisms of `--kafka-sasl-mechanism`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum SaslMechanism {
+    /// `PLAIN`: the password as it is (use it with TLS).
+    Plain,
+    /// `SCRAM-SHA-256`.
+    #[value(name = "scram-sha-256")]
+    ScramSha256,
+    /// `SCRAM-SHA-512`.
+    #[value(name = "scram-sha-512")]
+    ScramSha512,
+}
+
 /// How to reach the broker: its URL, TLS and login, from flags, the environment or files.
 #[derive(Args)]
 pub(crate) struct BrokerArgs {
@@ -58,6 +71,52 @@ pub(crate) struct BrokerArgs {
     /// Kafka's bootstrap servers, `host:port` separated by commas (with `--broker kafka`).
     #[arg(long, env = "KAFKA_BROKERS")]
     pub(crate) kafka_brokers: Option<String>,
+    /// Connect to Kafka over TLS, verified against the platform's roots (and
+    /// `--kafka-tls-ca`).
+    #[arg(long, env = "KAFKA_TLS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub(crate) kafka_tls: bool,
+    /// A PEM file of CAs to trust for Kafka, besides the platform's roots (implies
+    /// `--kafka-tls`).
+    #[arg(long, env = "KAFKA_TLS_CA", value_name = "PATH")]
+    pub(crate) kafka_tls_ca: Option<PathBuf>,
+    /// A PEM client certificate for Kafka (with `--kafka-tls-key`; implies `--kafka-tls`).
+    #[arg(
+        long,
+        env = "KAFKA_TLS_CERT",
+        value_name = "PATH",
+        requires = "kafka_tls_key"
+    )]
+    pub(crate) kafka_tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--kafka-tls-cert`.
+    #[arg(
+        long,
+        env = "KAFKA_TLS_KEY",
+        value_name = "PATH",
+        requires = "kafka_tls_cert"
+    )]
+    pub(crate) kafka_tls_key: Option<PathBuf>,
+    /// How to log in to Kafka with SASL (with `--kafka-user`).
+    #[arg(
+        long,
+        value_enum,
+        env = "KAFKA_SASL_MECHANISM",
+        requires = "kafka_user"
+    )]
+    pub(crate) kafka_sasl_mechanism: Option<SaslMechanism>,
+    /// The SASL user (with `--kafka-sasl-mechanism` and a password).
+    #[arg(long, env = "KAFKA_USER", requires = "kafka_sasl_mechanism")]
+    pub(crate) kafka_user: Option<String>,
+    /// The password of `--kafka-user`.
+    #[arg(
+        long,
+        env = "KAFKA_PASSWORD",
+        hide_env_values = true,
+        requires = "kafka_user"
+    )]
+    pub(crate) kafka_password: Option<Secret>,
+    /// A file holding the password of `--kafka-user`, instead of `--kafka-password`.
+    #[arg(long, env = "KAFKA_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "kafka_user")]
+    pub(crate) kafka_password_file: Option<Secret>,
     /// NATS URL, or several comma-separated (with `--broker nats`); `tls://` for TLS.
     #[arg(long, env = "NATS_URL", hide_env_values = true)]
     pub(crate) nats_url: Option<Secret>,
@@ -147,6 +206,10 @@ impl BrokerArgs {
             ("nats_password", &mut self.nats_password),
             ("nats_password_file", &mut self.nats_password_file),
         )?;
+        pick(
+            ("kafka_password", &mut self.kafka_password),
+            ("kafka_password_file", &mut self.kafka_password_file),
+        )?;
         let logins = [
             self.nats_creds.is_some(),
             self.nats_nkey.is_some(),
@@ -200,6 +263,27 @@ impl BrokerArgs {
     pub(crate) fn nats_tls(&self) -> Option<Tls> {
         tls(&self.nats_tls_ca, &self.nats_tls_cert, &self.nats_tls_key)
             .or_else(|| self.nats_tls.then(Tls::new))
+    }
+
+    /// Kafka's TLS settings: given files, or `--kafka-tls` alone.
+    pub(crate) fn kafka_tls(&self) -> Option<Tls> {
+        tls(
+            &self.kafka_tls_ca,
+            &self.kafka_tls_cert,
+            &self.kafka_tls_key,
+        )
+        .or_else(|| self.kafka_tls.then(Tls::new))
+    }
+
+    /// Kafka's SASL login, if a mechanism and user are given.
+    pub(crate) fn kafka_sasl(&self) -> Option<kafka::Sasl> {
+        let user = self.kafka_user.as_ref()?;
+        let password = self.kafka_password.as_ref().map_or("", Secret::expose);
+        Some(match self.kafka_sasl_mechanism? {
+            SaslMechanism::Plain => kafka::Sasl::plain(user, password),
+            SaslMechanism::ScramSha256 => kafka::Sasl::scram_sha256(user, password),
+            SaslMechanism::ScramSha512 => kafka::Sasl::scram_sha512(user, password),
+        })
     }
 
     /// The NATS credentials of the options ([`BrokerArgs::resolve`] lets at most one
@@ -337,6 +421,12 @@ pub(crate) async fn declare(args: DeclareArgs, out: &mut Output<'_>) -> Result<(
             }
             if let Some(replicas) = args.replication {
                 topology = topology.replication(replicas);
+            }
+            if let Some(tls) = b.kafka_tls() {
+                topology = topology.tls(tls);
+            }
+            if let Some(sasl) = b.kafka_sasl() {
+                topology = topology.sasl(sasl);
             }
             topology.declare(b.kafka_brokers()?).await?;
             args.topic

@@ -138,6 +138,12 @@ pub(crate) async fn run(
                 if let Some(timeout) = args.confirm_timeout {
                     publisher = publisher.delivery_timeout(timeout.0);
                 }
+                if let Some(tls) = b.kafka_tls() {
+                    publisher = publisher.tls(tls);
+                }
+                if let Some(sasl) = b.kafka_sasl() {
+                    publisher = publisher.sasl(sasl);
+                }
                 let publisher = publisher.connect().await?;
                 Running::Kafka(build(outbox, pool, publisher, &args)?)
             }

@@ -5,12 +5,12 @@ use std::future::Future;
 use std::sync::RwLock;
 
 use rdkafka::producer::future_producer::DeliveryFuture;
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{FutureRecord, Producer};
 
 use tokio::time::Instant;
 
-use super::KafkaPublisher;
 use super::properties::{classify, outgoing, producer_spent};
+use super::{KafkaProducer, KafkaPublisher};
 use crate::broker::pipeline::{Ended, Pipelined, Results, Unsent};
 use crate::publisher::{PublishError, Record};
 
@@ -18,7 +18,7 @@ use crate::publisher::{PublishError, Record};
 /// results so far.
 pub(crate) struct Batch {
     number: u64,
-    producer: FutureProducer,
+    producer: KafkaProducer,
     results: Vec<Option<std::result::Result<(), PublishError>>>,
 }
 
@@ -36,7 +36,7 @@ impl Pipelined for KafkaPublisher {
 
     fn fit_timeout(&mut self, max: std::time::Duration) {
         if !self.delivery_timeout_set && self.delivery_timeout > max {
-            match super::producer(&self.config, max) {
+            match super::producer(&self.config, max, &self.observed) {
                 Ok(producer) => {
                     let number = self.producer.get_mut().map_or(1, |slot| slot.0 + 1);
                     self.producer = RwLock::new((number, producer));

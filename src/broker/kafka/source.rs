@@ -12,11 +12,12 @@ use rdkafka::consumer::{
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 
-use super::brokers;
 use super::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, check_topic};
+use super::{Observed, Sasl, Security, brokers};
 use crate::consumer::{Delivery, Incoming, Settle};
 use crate::error::BoxError;
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+use crate::tls::Tls;
 
 /// Kafka topics, consumed by a consumer group, as the source of a
 /// [`Consumer`](crate::consumer::Consumer).
@@ -25,6 +26,7 @@ pub struct Source {
     group: String,
     topics: Vec<String>,
     prefix: String,
+    security: Security,
     offsets: Arc<Mutex<Offsets>>,
     consumer: Option<Arc<StreamConsumer<Tracked>>>,
 }
@@ -38,6 +40,8 @@ impl fmt::Debug for Source {
             )
             .field("group", &self.group)
             .field("topics", &self.topics)
+            .field("tls", &self.security.tls)
+            .field("sasl", &self.security.sasl)
             .field("subscribed", &self.consumer.is_some())
             .finish_non_exhaustive()
     }
@@ -57,6 +61,7 @@ impl Source {
             group: group.into(),
             topics: topics.into_iter().map(Into::into).collect(),
             prefix: String::new(),
+            security: Security::default(),
             offsets: Arc::default(),
             consumer: None,
         }
@@ -69,19 +74,37 @@ impl Source {
         self
     }
 
+    /// Connects over TLS, as
+    /// [`KafkaPublisherBuilder::tls`](crate::kafka::KafkaPublisherBuilder::tls) does.
+    /// Defaults to plain TCP.
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.security.tls = Some(tls);
+        self
+    }
+
+    /// Logs in with SASL; see [`Sasl`]. Defaults to none.
+    pub fn sasl(mut self, sasl: Sasl) -> Self {
+        self.security.sasl = Some(sasl);
+        self
+    }
+
     fn subscribe(&mut self) -> Result<Arc<StreamConsumer<Tracked>>, BoxError> {
         if let Some(consumer) = &self.consumer {
             return Ok(consumer.clone());
         }
         let endpoint = brokers(&self.brokers)?;
-        let consumer: StreamConsumer<Tracked> = ClientConfig::new()
+        let mut config = ClientConfig::new();
+        config
             .set("bootstrap.servers", &endpoint)
             .set("group.id", &self.group)
             .set("client.id", "diesel-outbox consumer")
             .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
+            .set("auto.offset.reset", "earliest");
+        self.security.apply(&mut config)?;
+        let consumer: StreamConsumer<Tracked> = config
             .create_with_context(Tracked {
                 offsets: self.offsets.clone(),
+                observed: Observed::default(),
             })
             .map_err(|e| format!("the Kafka consumer for {endpoint}: {e}"))?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
@@ -161,6 +184,8 @@ impl crate::consumer::Source for Source {
 
     fn check(&self) -> Result<(), BoxError> {
         brokers(&self.brokers)?;
+        // The TLS files and the login, checked before the runner starts.
+        self.security.apply(&mut ClientConfig::new())?;
         if self.group.is_empty() {
             return Err("the Kafka consumer group is empty".into());
         }
@@ -243,12 +268,18 @@ impl Offsets {
     }
 }
 
-/// The consumer's context: forgets revoked partitions before they go.
+/// The consumer's context: forgets revoked partitions before they go, and keeps the last
+/// connection error for the log.
 struct Tracked {
     offsets: Arc<Mutex<Offsets>>,
+    observed: Observed,
 }
 
-impl ClientContext for Tracked {}
+impl ClientContext for Tracked {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        self.observed.error(error, reason);
+    }
+}
 
 impl ConsumerContext for Tracked {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {

@@ -4,13 +4,13 @@ use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
 
-use super::brokers;
 use super::properties::check_topic;
+use super::{Observed, Sasl, Security, brokers};
 use crate::error::{Error, Result};
 use crate::publisher::PublishError;
+use crate::tls::Tls;
 
 /// How long declaring may take.
 const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -37,6 +37,7 @@ const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct Topology {
     topics: Vec<(String, u32)>,
     replication: Option<u16>,
+    security: Security,
 }
 
 impl Topology {
@@ -58,13 +59,27 @@ impl Topology {
         self
     }
 
+    /// Connects over TLS, as
+    /// [`KafkaPublisherBuilder::tls`](crate::kafka::KafkaPublisherBuilder::tls) does.
+    /// Defaults to plain TCP.
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.security.tls = Some(tls);
+        self
+    }
+
+    /// Logs in with SASL; see [`Sasl`]. Defaults to none.
+    pub fn sasl(mut self, sasl: Sasl) -> Self {
+        self.security.sasl = Some(sasl);
+        self
+    }
+
     /// Creates every topic that does not exist yet.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for a broker list that is not `host:port[,…]`, a topic name
-    /// Kafka refuses, or zero partitions or replicas (nothing is created then);
-    /// [`Error::Publish`] when no broker answers or the cluster refuses a topic (naming it
-    /// and why).
+    /// Kafka refuses, zero partitions or replicas, a TLS file that cannot be read or an
+    /// empty SASL user (nothing is created then); [`Error::Publish`] when no broker answers
+    /// or the cluster refuses a topic (naming it and why).
     pub async fn declare(&self, brokers_list: &str) -> Result<()> {
         let endpoint = brokers(brokers_list).map_err(Error::InvalidOption)?;
         for (name, partitions) in &self.topics {
@@ -81,10 +96,16 @@ impl Topology {
                 "replication must be above zero".into(),
             ));
         }
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        let mut config = ClientConfig::new();
+        config
             .set("bootstrap.servers", &endpoint)
-            .set("client.id", "diesel-outbox declare")
-            .create()
+            .set("client.id", "diesel-outbox declare");
+        self.security
+            .apply(&mut config)
+            .map_err(Error::InvalidOption)?;
+        let observed = Observed::default();
+        let admin: AdminClient<Observed> = config
+            .create_with_context(observed.clone())
             .map_err(|e| Error::InvalidOption(format!("the Kafka admin client: {e}")))?;
         let replicas = self.replication.map_or(-1, i32::from);
         let topics: Vec<NewTopic<'_>> = self
@@ -101,8 +122,11 @@ impl Topology {
         let options = AdminOptions::new().operation_timeout(Some(DECLARE_TIMEOUT));
         let results = tokio::time::timeout(DECLARE_TIMEOUT, admin.create_topics(&topics, &options))
             .await
-            .map_err(|_| unavailable(&endpoint, format!("no answer within {DECLARE_TIMEOUT:?}")))?
-            .map_err(|e| unavailable(&endpoint, e.to_string()))?;
+            .map_err(|_| {
+                let why = format!("no answer within {DECLARE_TIMEOUT:?}");
+                unavailable(&endpoint, observed.explain(why))
+            })?
+            .map_err(|e| unavailable(&endpoint, observed.explain(e)))?;
         for result in results {
             match result {
                 Ok(name) => {
