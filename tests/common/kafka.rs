@@ -117,8 +117,13 @@ impl Tansu {
     /// One that names `advertised` as its address to clients (a listener in front of it),
     /// started with `args` besides.
     pub fn start_with(advertised: Option<std::net::SocketAddr>, args: &[&str]) -> Tansu {
-        let bin = tansu_bin().expect("a Tansu binary");
         let [port] = super::cluster::free_ports();
+        Tansu::start_at(port, advertised, args)
+    }
+
+    /// One listening on `port`, naming `advertised` (else its own address) to clients.
+    pub fn start_at(port: u16, advertised: Option<std::net::SocketAddr>, args: &[&str]) -> Tansu {
+        let bin = tansu_bin().expect("a Tansu binary");
         let url = format!("tcp://127.0.0.1:{port}");
         let advertised = advertised.map_or_else(|| url.clone(), |a| format!("tcp://{a}"));
         let child = Command::new(bin)

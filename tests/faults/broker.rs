@@ -16,8 +16,10 @@ use lapin::types::FieldTable;
 use crate::Kind;
 use crate::common;
 use crate::common::broker::{amqp_authority, amqp_url, amqp_url_via, rabbitmqctl};
+use crate::common::kafka::Tansu;
 use crate::common::nats::nats_url;
-use crate::harness::{Db, Delivery, Log};
+use crate::common::proxy::FaultProxy;
+use crate::harness::{Db, Delivery, Log, TOPIC};
 
 /// The consumer: the crate's runner, so the checker's count of effects proves it applies
 /// each message once through every fault. Every delivery (duplicates too) is logged as the
@@ -31,6 +33,16 @@ pub(crate) async fn consume(broker: Broker, db: Db, log: Arc<Log>, running: Arc<
         Broker::Nats { stream, prefix } => {
             let source = consumer::nats::Source::durable(nats_url(), &stream, CONSUMER)
                 .subject_prefix(prefix);
+            consume_from(source, db, log, running).await;
+        }
+        Broker::Kafka {
+            brokers,
+            prefix,
+            topic,
+            ..
+        } => {
+            let source =
+                consumer::kafka::Source::group(brokers, CONSUMER, [topic]).topic_prefix(prefix);
             consume_from(source, db, log, running).await;
         }
     }
@@ -98,18 +110,71 @@ impl<S: consumer::Source> consumer::Source for Logged<S> {
     }
 }
 
-/// The durable JetStream consumer's name.
+/// The durable JetStream consumer's name, and the Kafka consumer group's.
 pub(crate) const CONSUMER: &str = "faults";
+
+/// The Kafka topic's partitions.
+const PARTITIONS: i32 = 4;
 
 /// The broker side of one run: durable destinations that survive the broker's restart.
 #[derive(Clone)]
 pub(crate) enum Broker {
-    RabbitMq { exchange: String, queue: String },
-    Nats { stream: String, prefix: String },
+    RabbitMq {
+        exchange: String,
+        queue: String,
+    },
+    Nats {
+        stream: String,
+        prefix: String,
+    },
+    /// A Tansu of the run's own (its storage is memory: it is paused, never restarted),
+    /// which names the fault proxy as its address, so that every client's every
+    /// connection goes through the proxy.
+    Kafka {
+        tansu: Arc<Tansu>,
+        /// The fault proxy's address.
+        brokers: String,
+        prefix: String,
+        /// The topic (with the prefix) the relays produce to.
+        topic: String,
+    },
 }
 
 impl Broker {
-    pub(crate) async fn new(kind: Kind) -> Broker {
+    /// The broker's destinations, and the fault proxy in front of it that the relays
+    /// connect through.
+    pub(crate) async fn new(kind: Kind) -> (Broker, FaultProxy) {
+        if kind == Kind::Kafka {
+            return Broker::kafka().await;
+        }
+        let broker = Broker::declared(kind).await;
+        let proxy = FaultProxy::start(broker.upstream()).await;
+        (broker, proxy)
+    }
+
+    async fn kafka() -> (Broker, FaultProxy) {
+        let [port] = common::cluster::free_ports();
+        let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await;
+        let tansu = Tansu::start_at(port, Some(proxy.addr), &[]);
+        let name = common::unique("faults");
+        let prefix = format!("{name}.");
+        let topic = format!("{prefix}{TOPIC}");
+        let partitions = u32::try_from(PARTITIONS).unwrap();
+        diesel_outbox::kafka::Topology::new()
+            .topic(&topic, partitions)
+            .declare(&proxy.addr.to_string())
+            .await
+            .unwrap();
+        let broker = Broker::Kafka {
+            tansu: Arc::new(tansu),
+            brokers: proxy.addr.to_string(),
+            prefix,
+            topic,
+        };
+        (broker, proxy)
+    }
+
+    async fn declared(kind: Kind) -> Broker {
         let name = common::unique("faults");
         match kind {
             Kind::RabbitMq => {
@@ -151,6 +216,7 @@ impl Broker {
                     prefix,
                 }
             }
+            Kind::Kafka => unreachable!("made by Broker::kafka"),
         }
     }
 
@@ -159,6 +225,7 @@ impl Broker {
         let authority = match self {
             Broker::RabbitMq { .. } => amqp_authority(),
             Broker::Nats { .. } => nats_url().trim_start_matches("nats://").to_owned(),
+            Broker::Kafka { tansu, .. } => tansu.brokers.clone(),
         };
         authority.to_socket_addrs().unwrap().next().unwrap()
     }
@@ -167,6 +234,7 @@ impl Broker {
         let args: Vec<&str> = match self {
             Broker::RabbitMq { exchange, .. } => vec!["--exchange", exchange],
             Broker::Nats { prefix, .. } => vec!["--broker", "nats", "--subject-prefix", prefix],
+            Broker::Kafka { prefix, .. } => vec!["--broker", "kafka", "--topic-prefix", prefix],
         };
         args.into_iter().map(str::to_owned).collect()
     }
@@ -176,18 +244,47 @@ impl Broker {
         match self {
             Broker::RabbitMq { .. } => ("AMQP_URL".into(), amqp_url_via(proxy)),
             Broker::Nats { .. } => ("NATS_URL".into(), format!("nats://{proxy}")),
+            Broker::Kafka { .. } => ("KAFKA_BROKERS".into(), proxy.to_string()),
         }
     }
 
+    /// What [`Broker::stop`] and [`Broker::start`] do, and what [`Broker::bounce`] does, as
+    /// the run's summary names the faults.
+    pub(crate) fn outage_faults(&self) -> (&'static str, &'static str) {
+        match self {
+            Broker::Kafka { .. } => (
+                "broker paused beyond max_attempts × backoff max",
+                "broker paused for less than a lease",
+            ),
+            _ => (
+                "broker stopped beyond max_attempts × backoff max",
+                "broker restart",
+            ),
+        }
+    }
+
+    /// Stops the broker (Kafka: pauses it, connections open and silent).
     pub(crate) fn stop(&self) {
         match self {
             Broker::RabbitMq { .. } => rabbitmqctl(&["stop_app"]),
             Broker::Nats { .. } => nats_server("--stop", &["--retry", "TERM/10/KILL/5"]),
+            Broker::Kafka { tansu, .. } => tansu.pause(),
         }
+    }
+
+    /// Restarts the broker at once (Kafka, whose storage a restart would empty: pauses it
+    /// for a second).
+    pub(crate) async fn bounce(&self) {
+        self.stop();
+        if matches!(self, Broker::Kafka { .. }) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        self.start();
     }
 
     pub(crate) fn start(&self) {
         match self {
+            Broker::Kafka { tansu, .. } => tansu.resume(),
             Broker::RabbitMq { .. } => rabbitmqctl(&["start_app"]),
             Broker::Nats { .. } => {
                 nats_server(
@@ -232,6 +329,12 @@ impl Broker {
     /// Messages not yet consumed: ready, or delivered and not acknowledged.
     async fn depth(&self) -> u64 {
         match self {
+            Broker::Kafka { brokers, topic, .. } => {
+                let (brokers, topic) = (brokers.clone(), topic.clone());
+                tokio::task::spawn_blocking(move || kafka_lag(&brokers, &topic))
+                    .await
+                    .unwrap()
+            }
             Broker::RabbitMq { queue, .. } => queue_depth(queue),
             Broker::Nats { stream, .. } => {
                 let js = async_nats::jetstream::new(common::nats::connect().await);
@@ -259,8 +362,40 @@ impl Broker {
                 let js = async_nats::jetstream::new(common::nats::connect().await);
                 let _ = js.delete_stream(stream).await;
             }
+            // The run's own Tansu goes with the last clone of it.
+            Broker::Kafka { .. } => {}
         }
     }
+}
+
+/// Messages of `topic` the consumer group has not committed past: per partition, the
+/// high watermark less the group's committed offset (none: the whole partition).
+fn kafka_lag(brokers: &str, topic: &str) -> u64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let timeout = Duration::from_secs(10);
+    // Of the group, to read its commits; never subscribing, so never a member.
+    let reader: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", CONSUMER)
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut wanted = rdkafka::TopicPartitionList::new();
+    for partition in 0..PARTITIONS {
+        wanted.add_partition(topic, partition);
+    }
+    let committed = reader.committed_offsets(wanted, timeout).unwrap();
+    (0..PARTITIONS)
+        .map(|partition| {
+            let (_, high) = reader.fetch_watermarks(topic, partition, timeout).unwrap();
+            let done = committed
+                .find_partition(topic, partition)
+                .and_then(|p| p.offset().to_raw())
+                .filter(|o| *o >= 0)
+                .unwrap_or(0);
+            u64::try_from(high - done).unwrap_or(0)
+        })
+        .sum()
 }
 
 /// Runs `start-stop-daemon` on the local nats-server; panics if it fails.

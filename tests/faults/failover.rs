@@ -38,7 +38,8 @@ pub(crate) async fn run(tier: Tier) {
     let mut pair = tokio::task::block_in_place(Pair::start);
     let url = pair.url("postgres");
     let db = Db::create(url.clone(), "failover", tier.aggregates).await;
-    let broker = Broker::new(Kind::RabbitMq).await;
+    // The relays connect straight to the broker: this run's faults are PostgreSQL's.
+    let (broker, _proxy) = Broker::new(Kind::RabbitMq).await;
     let app_name = "outbox_failover_relay";
     let logs = std::env::temp_dir().join(common::unique("failover"));
     let mut relays = Relays::start(

@@ -16,6 +16,8 @@ use tokio::task::JoinHandle;
 
 use crate::broker::Broker;
 
+/// The topic of every message the writers enqueue.
+pub(crate) const TOPIC: &str = "fault.order";
 pub(crate) const RELAYS: usize = 3;
 pub(crate) const BATCH: usize = 50;
 pub(crate) const LEASE: Duration = Duration::from_secs(2);
@@ -412,7 +414,7 @@ async fn write(
                 db.outbox
                     .enqueue(
                         c,
-                        Message::json("fault.order", &payload)?
+                        Message::json(TOPIC, &payload)?
                             .key(key)
                             .aggregate_key(aggregate),
                     )

@@ -11,13 +11,17 @@
 //! leased (`harness.rs`).
 //!
 //! - The mixed run (`suite.rs`), once per broker (RabbitMQ, restarted with `rabbitmqctl`;
-//!   NATS JetStream, nats-server restarted, its store on disk surviving): relays SIGKILLed,
-//!   SIGSTOPped beyond their lease (stale relays must be fenced), their PostgreSQL backends
-//!   (LISTEN included) terminated, their broker connections cut through a TCP fault proxy,
-//!   the broker restarted and stopped for longer than `max_attempts × backoff max`,
+//!   NATS JetStream, nats-server restarted, its store on disk surviving; Kafka, a Tansu of
+//!   the run's own, paused with SIGSTOP since a restart would empty its memory storage,
+//!   every client connection through the fault proxy, the consumer's too): relays
+//!   SIGKILLed, SIGSTOPped beyond their lease (stale relays must be fenced), their
+//!   PostgreSQL backends (LISTEN included) terminated, their broker connections cut through
+//!   a TCP fault proxy, the broker restarted (paused) and stopped (paused) for longer than
+//!   `max_attempts × backoff max`,
 //!   PostgreSQL restarted (a writer whose commit outcome is then unknown is resolved against
 //!   the business rows), and poison rows written by SQL (headers serde cannot read, an
-//!   `infinity` enqueue time, headers too large for the broker, a header it refuses).
+//!   `infinity` enqueue time, headers too large for the broker, a header or topic it
+//!   refuses).
 //! - PostgreSQL failover (`failover.rs`): a primary and a synchronous streaming replica of
 //!   the test's own; mid-run the replica is promoted and the old primary stopped, and
 //!   writers, relays, their LISTEN connections and the consumer follow through a
@@ -49,6 +53,7 @@ use harness::Tier;
 enum Kind {
     RabbitMq,
     Nats,
+    Kafka,
 }
 
 /// Tests here restart PostgreSQL and the broker: one at a time (a test that panics releases
@@ -75,6 +80,18 @@ async fn fault_suite_ci_tier_nats() {
     suite::run(Kind::Nats, ci_tier()).await;
 }
 
+/// The Kafka tier: a Tansu of the run's own is cut off, paused for a second and paused for
+/// longer than `max_attempts × backoff max`; nothing is lost and nothing but the poison
+/// dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fault_suite_ci_tier_kafka() {
+    if !local_tools("fault_suite_ci_tier_kafka", Kind::Kafka) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    suite::run(Kind::Kafka, ci_tier()).await;
+}
+
 /// PostgreSQL fails over once mid-run: relays, LISTEN connections, writers and the consumer
 /// follow to the promoted replica; nothing is lost, nothing published twice beyond the
 /// bound, order kept.
@@ -93,11 +110,17 @@ async fn fault_suite_failover_ci_tier() {
 /// tools cannot drive); says why it is skipped if not.
 fn local_tools(test: &str, kind: Kind) -> bool {
     use common::services::Service;
-    let broker = match kind {
-        Kind::RabbitMq => Service::RabbitMq,
-        Kind::Nats => Service::Nats,
-    };
-    common::services::local_tools_for(test, &[Service::Postgres, broker])
+    match kind {
+        Kind::RabbitMq => {
+            common::services::local_tools_for(test, &[Service::Postgres, Service::RabbitMq])
+        }
+        Kind::Nats => common::services::local_tools_for(test, &[Service::Postgres, Service::Nats]),
+        // A Tansu of the run's own.
+        Kind::Kafka => {
+            common::services::local_tools_for(test, &[Service::Postgres])
+                && common::services::needs(test, common::kafka::Tansu::missing())
+        }
+    }
 }
 
 fn ci_tier() -> Tier {
@@ -140,6 +163,16 @@ async fn fault_suite_long_tier_nats() {
     }
     let _serial = SERIAL.lock().await;
     suite::run(Kind::Nats, long_tier()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "long tier (about 20 minutes): cargo test --release --all-features --test faults -- --ignored"]
+async fn fault_suite_long_tier_kafka() {
+    if !local_tools("fault_suite_long_tier_kafka", Kind::Kafka) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    suite::run(Kind::Kafka, long_tier()).await;
 }
 
 /// Three failovers over five minutes of writing, a new replica made after each.

@@ -17,9 +17,8 @@ use diesel_outbox::{Message, Outbox};
 
 use crate::broker::{Broker, consume};
 use crate::common::broker::{amqp_url, rabbitmqctl};
-use crate::common::proxy::FaultProxy;
 use crate::common::{self, Alone, TestSchema};
-use crate::harness::{self, Db, LEASE, Log, RELAYS, Relays, Run, Tier};
+use crate::harness::{self, Db, LEASE, Log, RELAYS, Relays, Run, TOPIC, Tier};
 use crate::{Kind, SERIAL, local_tools};
 
 /// Longer than `MAX_ATTEMPTS × BACKOFF_MAX`: were an outage charged to the messages, every
@@ -32,8 +31,7 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
     let db = Db::create(common::database_url(), &schema.name, tier.aggregates).await;
     let table = db.table().to_owned();
 
-    let broker = Broker::new(kind).await;
-    let proxy = FaultProxy::start(broker.upstream()).await;
+    let (broker, proxy) = Broker::new(kind).await;
     let app_name = format!("outbox_fault_relay_{}", schema.name);
     let logs = std::env::temp_dir().join(&schema.name);
     let mut relays = Relays::start(
@@ -56,14 +54,15 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
     let writers = harness::spawn_writers(&db, &log, &tier);
 
     // Faults, round-robin over the kinds, until the writers are done.
+    let (broker_down, broker_bounced) = broker.outage_faults();
     let fault_kinds = [
         "relay SIGKILL",
         "poison rows",
         "relay SIGSTOP beyond lease",
         "relay backends terminated",
         "broker connections cut",
-        "broker restart",
-        "broker stopped beyond max_attempts × backoff max",
+        broker_bounced,
+        broker_down,
         "PostgreSQL restart",
     ];
     let mut round = 0usize;
@@ -83,7 +82,7 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
                 }
                 log.fault(fault);
             }
-            "broker stopped beyond max_attempts × backoff max" => {
+            _ if fault == broker_down => {
                 if fired > 0 {
                     continue; // once per run
                 }
@@ -133,12 +132,11 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
                     log.fault(fault);
                 }
             }
-            "broker restart" => {
+            _ if fault == broker_bounced => {
                 if fired > 0 {
                     continue; // once per run
                 }
-                broker.stop();
-                broker.start();
+                broker.bounce().await;
                 log.fault(fault);
             }
             _ => unreachable!(),
@@ -273,32 +271,41 @@ async fn write_poison(
     n: usize,
     aggregates: usize,
 ) -> String {
-    // What the broker refuses of a header: RabbitMQ routes on `CC`, JetStream acts on
-    // `Nats-` headers (`Nats-Rollup` would purge the stream).
-    let refused_header = match broker {
-        Kind::RabbitMq => "'{\"CC\": \"elsewhere\"}'::jsonb",
-        Kind::Nats => "'{\"Nats-Rollup\": \"all\"}'::jsonb",
+    // What the broker refuses of a message: RabbitMQ routes on a `CC` header, JetStream
+    // acts on `Nats-` headers (`Nats-Rollup` would purge the stream), Kafka refuses a
+    // topic name with a `/`.
+    let (refused, refused_headers, refused_topic) = match broker {
+        Kind::RabbitMq => ("refused-header", "'{\"CC\": \"elsewhere\"}'::jsonb", TOPIC),
+        Kind::Nats => (
+            "refused-header",
+            "'{\"Nats-Rollup\": \"all\"}'::jsonb",
+            TOPIC,
+        ),
+        Kind::Kafka => ("refused-topic", "'{}'::jsonb", "fault/order"),
     };
-    let kinds: [(&str, &str, &str); POISON_KINDS] = [
-        ("huge-number", "'{\"n\": 1e400}'::jsonb", "now()"),
-        ("infinite", "'{}'::jsonb", "'infinity'"),
-        // Over RabbitMQ's frame_max (128 KiB) and NATS's max_payload (1 MiB).
+    let kinds: [(&str, &str, &str, &str); POISON_KINDS] = [
+        ("huge-number", "'{\"n\": 1e400}'::jsonb", "now()", TOPIC),
+        ("infinite", "'{}'::jsonb", "'infinity'", TOPIC),
+        // Over RabbitMQ's frame_max (128 KiB), NATS's max_payload (1 MiB) and librdkafka's
+        // message.max.bytes (1,000,000).
         (
             "oversized-headers",
             "jsonb_build_object('h', repeat('x', 1100000))",
             "now()",
+            TOPIC,
         ),
-        ("refused-header", refused_header, "now()"),
+        (refused, refused_headers, "now()", refused_topic),
     ];
-    let (kind, headers, created_at) = kinds[n % kinds.len()];
+    let (kind, headers, created_at, topic) = kinds[n % kinds.len()];
     let key = format!("poison-{kind}-{n}");
     let aggregate = format!("agg{}", fastrand::usize(1..=aggregates));
     diesel::sql_query(format!(
         "INSERT INTO {table} (idempotency_key, topic, aggregate_key, payload, headers, created_at) \
-         VALUES ($1, 'fault.order', $2, '\\x00'::bytea, {headers}, {created_at})"
+         VALUES ($1, $3, $2, '\\x00'::bytea, {headers}, {created_at})"
     ))
     .bind::<Text, _>(&key)
     .bind::<Text, _>(&aggregate)
+    .bind::<Text, _>(topic)
     .execute(conn)
     .await
     .unwrap();
