@@ -224,3 +224,50 @@ async fn a_message_over_the_size_limit_dies_alone() {
         dead[0].last_error
     );
 }
+
+/// A runner on a topic that does not exist fails at once, naming it, and the topic is not
+/// created by the look (Tansu creates topics on first use).
+#[tokio::test]
+async fn a_missing_topic_fails_the_runner_at_start_and_stays_missing() {
+    if skipped("a_missing_topic_fails_the_runner_at_start_and_stays_missing") {
+        return;
+    }
+    use diesel_outbox::Error;
+    use diesel_outbox::consumer::handler_fn;
+    let f = fixture().await;
+    let (_, present) = topic(&brokers(), "present", 1).await;
+    let missing = format!("{}.missing", unique("outbox_kafka"));
+    let consumer = Consumer::builder(f.outbox.clone(), f.pool.clone(), "invoicing")
+        .source(kafka::Source::group(
+            brokers(),
+            unique("missing"),
+            [present, missing.clone()],
+        ))
+        .handler(handler_fn(|_, _| Box::pin(async { Ok(()) })))
+        .build()
+        .unwrap();
+    let err = tokio::time::timeout(DEADLINE, consumer.run_until(std::future::pending()))
+        .await
+        .expect("fails at once")
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::NotDeclared(m) if m.contains(&format!("no topic `{missing}`"))),
+        "{err:?}"
+    );
+    let listed = tokio::task::spawn_blocking(|| {
+        use rdkafka::consumer::{BaseConsumer, Consumer as _};
+        let reader: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .unwrap();
+        let metadata = reader.fetch_metadata(None, DEADLINE).unwrap();
+        metadata
+            .topics()
+            .iter()
+            .map(|t| t.name().to_owned())
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    assert!(!listed.contains(&missing), "the look created {missing}");
+}

@@ -10,8 +10,9 @@
 //! One file per scenario, named by what it measures; `fixture` holds what they run on and
 //! `measure` how CPU, memory and percentiles are taken. Finds PostgreSQL, RabbitMQ and NATS
 //! as the tests do (`tests/common/services.rs`: `DATABASE_URL`, `AMQP_URL` and `NATS_URL`,
-//! else the local servers, else containers in Docker, removed when the run ends) and uses
-//! the tests' own fixtures. Prints one JSON line per figure as it is measured, then a table.
+//! else the local servers, else containers in Docker, removed when the run ends), and Kafka
+//! as the tests do too (`tests/common/kafka.rs`: `KAFKA_BROKERS`, else Tansu on
+//! 127.0.0.1:9092), and uses the tests' own fixtures. Prints one JSON line per figure as it is measured, then a table.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod after_outage;
@@ -22,6 +23,7 @@ mod enqueue_cost;
 mod fixture;
 mod history;
 mod jetstream;
+mod kafka;
 mod latency;
 mod many_aggregates;
 mod measure;
@@ -90,6 +92,9 @@ enum Scenario {
     /// (k) the relay to NATS JetStream against raw async-nats.
     #[value(alias = "k")]
     Jetstream,
+    /// (l) the relay to Kafka against raw rdkafka.
+    #[value(alias = "l")]
+    Kafka,
 }
 
 /// One measured figure beside its same-run baseline.
@@ -205,6 +210,9 @@ async fn main() -> BoxResult<()> {
         }
         if run(Scenario::Jetstream) {
             figures.extend(jetstream::jetstream(&mut env).await?);
+        }
+        if run(Scenario::Kafka) {
+            figures.extend(kafka::kafka(&mut env).await?);
         }
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     }

@@ -4,7 +4,7 @@ use serde_json::json;
 
 use crate::round;
 
-/// CPU seconds used so far by the brokers (RabbitMQ and nats-server), the database server
+/// CPU seconds used so far by the brokers (RabbitMQ, nats-server and Tansu), the database server
 /// (but for the backend `leave_out`) and this process (and one more process, if given), in
 /// the order of [`BROKER`], [`POSTGRES`], [`CLIENT`], [`EXTRA`].
 fn cpu_seconds(extra: Option<u32>, leave_out: u32) -> [f64; 4] {
@@ -28,7 +28,9 @@ fn cpu_seconds(extra: Option<u32>, leave_out: u32) -> [f64; 4] {
             }
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
             match comm.trim() {
+                // Tansu's binary is `tansu-v<version>-<commit>`.
                 "beam.smp" | "nats-server" => by_name[0] += ticks(&pid),
+                name if name.starts_with("tansu") => by_name[0] += ticks(&pid),
                 "postgres" if pid.parse() != Ok(leave_out) => by_name[1] += ticks(&pid),
                 _ => {}
             }

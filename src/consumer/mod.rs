@@ -81,9 +81,13 @@ pub mod kafka {
     //! by a rebalance commits nothing more from this member.
     //!
     //! Hazards: Kafka keeps no dead letters: a message the handler rejects, or one without
-    //! `x-outbox-message-id` (which cannot be deduplicated), is logged and skipped. The
-    //! topics must exist; on a cluster that creates topics on first use, a missing one is
-    //! created empty.
+    //! `x-outbox-message-id` (which cannot be deduplicated), is logged and skipped.
+    //!
+    //! The topics must exist: when the runner starts, a topic missing from the cluster's
+    //! list of topics fails it at once with [`Error::NotDeclared`](crate::Error::NotDeclared),
+    //! naming it (the source asks for the whole list, and subscribes with
+    //! `allow.auto.create.topics=false`, so a cluster that creates topics on first use does
+    //! not create it). A cluster out of reach at start is waited for, as later.
 
     pub use crate::broker::kafka::source::Source;
 }

@@ -19,6 +19,9 @@ use crate::error::BoxError;
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 use crate::tls::Tls;
 
+/// How long `verify` waits for the list of topics.
+const VERIFY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Kafka topics, consumed by a consumer group, as the source of a
 /// [`Consumer`](crate::consumer::Consumer).
 pub struct Source {
@@ -88,10 +91,8 @@ impl Source {
         self
     }
 
-    fn subscribe(&mut self) -> Result<Arc<StreamConsumer<Tracked>>, BoxError> {
-        if let Some(consumer) = &self.consumer {
-            return Ok(consumer.clone());
-        }
+    /// The consumer's settings, and the brokers as `host:port,…`.
+    fn config(&self) -> Result<(ClientConfig, String), BoxError> {
         let endpoint = brokers(&self.brokers)?;
         let mut config = ClientConfig::new();
         config
@@ -99,8 +100,18 @@ impl Source {
             .set("group.id", &self.group)
             .set("client.id", "diesel-outbox consumer")
             .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest");
+            .set("auto.offset.reset", "earliest")
+            // Subscribing to a topic that does not exist must not create it.
+            .set("allow.auto.create.topics", "false");
         self.security.apply(&mut config)?;
+        Ok((config, endpoint))
+    }
+
+    fn subscribe(&mut self) -> Result<Arc<StreamConsumer<Tracked>>, BoxError> {
+        if let Some(consumer) = &self.consumer {
+            return Ok(consumer.clone());
+        }
+        let (config, endpoint) = self.config()?;
         let consumer: StreamConsumer<Tracked> = config
             .create_with_context(Tracked {
                 offsets: self.offsets.clone(),
@@ -180,6 +191,51 @@ impl crate::consumer::Source for Source {
             };
             return Ok(Incoming { delivery, settle });
         }
+    }
+
+    async fn verify(&mut self) -> Result<(), String> {
+        let Ok((config, endpoint)) = self.config() else {
+            return Ok(()); // `check` said why already
+        };
+        // The list of every topic: asking for the topics by name could create them on a
+        // cluster that creates topics on first use.
+        let listed = tokio::task::spawn_blocking(move || {
+            let reader: BaseConsumer = config.create().map_err(|e| e.to_string())?;
+            let metadata = reader
+                .fetch_metadata(None, VERIFY_TIMEOUT)
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(
+                metadata
+                    .topics()
+                    .iter()
+                    .filter(|t| t.error().is_none())
+                    .map(|t| t.name().to_owned())
+                    .collect::<BTreeSet<_>>(),
+            )
+        })
+        .await;
+        // Out of reach: the runner's loop waits for the broker.
+        let Ok(Ok(listed)) = listed else {
+            return Ok(());
+        };
+        let missing: Vec<&str> = self
+            .topics
+            .iter()
+            .filter(|t| !listed.contains(*t))
+            .map(String::as_str)
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "Kafka at {endpoint} has no topic {}: declare it (kafka::Topology, or \
+             diesel-outbox declare --broker kafka) or fix the name",
+            missing
+                .iter()
+                .map(|t| format!("`{t}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
     }
 
     fn check(&self) -> Result<(), BoxError> {
