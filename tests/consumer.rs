@@ -703,10 +703,7 @@ async fn a_missing_queue_fails_the_runner_at_once() {
         .handler(s.writer(Arc::default()))
         .build()
         .unwrap();
-    let result = tokio::time::timeout(DEADLINE, consumer.run_until(std::future::pending()))
-        .await
-        .expect("fails at once");
-    let err = result.unwrap_err();
+    let err = common::start_error(consumer).await;
     assert!(
         matches!(&err, Error::NotDeclared(m) if m.contains(&format!("queue `{missing}` does not exist"))),
         "{err:?}"

@@ -246,10 +246,7 @@ async fn a_missing_topic_fails_the_runner_at_start_and_stays_missing() {
         .handler(handler_fn(|_, _| Box::pin(async { Ok(()) })))
         .build()
         .unwrap();
-    let err = tokio::time::timeout(DEADLINE, consumer.run_until(std::future::pending()))
-        .await
-        .expect("fails at once")
-        .unwrap_err();
+    let err = common::start_error(consumer).await;
     assert!(
         matches!(&err, Error::NotDeclared(m) if m.contains(&format!("no topic `{missing}`"))),
         "{err:?}"

@@ -222,10 +222,7 @@ async fn the_topology_declares_a_stream_and_a_durable_and_a_missing_durable_fail
         .handler(handler_fn(|_, _| Box::pin(async { Ok(()) })))
         .build()
         .unwrap();
-    let err = tokio::time::timeout(DEADLINE, consumer.run_until(std::future::pending()))
-        .await
-        .expect("fails at once")
-        .unwrap_err();
+    let err = common::start_error(consumer).await;
     assert!(
         matches!(&err, Error::NotDeclared(m) if m.contains("durable consumer `nobody`")),
         "{err:?}"

@@ -364,6 +364,20 @@ where
     spawn_until(move |shutdown| async move { consumer.run_until(shutdown).await })
 }
 
+/// The error a consumer fails with at start (panics if it runs on past the deadline).
+pub async fn start_error<S, H>(
+    consumer: diesel_outbox::consumer::Consumer<S, H>,
+) -> diesel_outbox::Error
+where
+    S: diesel_outbox::consumer::Source,
+    H: diesel_outbox::consumer::Handler,
+{
+    tokio::time::timeout(DEADLINE, consumer.run_until(std::future::pending()))
+        .await
+        .expect("fails at once")
+        .expect_err("fails")
+}
+
 /// Stops a relay from [`spawn_relay`] (or a consumer from [`spawn_consumer`]) and waits
 /// (with a deadline) for a clean return.
 pub async fn stop_relay(
