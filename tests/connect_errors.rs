@@ -1,5 +1,5 @@
 //! Connection failures say where and why: the host and port tried and the cause, never a
-//! password, a seed or a URL; a pool that times out says why no connection came; and the
+//! password, a seed or a URL (PostgreSQL, RabbitMQ, NATS and Kafka); a pool that times out says why no connection came; and the
 //! binary prints one error line for one failure.
 #![cfg(feature = "cli")]
 
@@ -68,6 +68,11 @@ fn cli(args: &[&str], env: &[(&str, &str)]) -> Output {
         "NATS_URL_FILE",
         "NATS_NKEY",
         "NATS_NKEY_FILE",
+        "KAFKA_BROKERS",
+        "KAFKA_USER",
+        "KAFKA_PASSWORD",
+        "KAFKA_PASSWORD_FILE",
+        "KAFKA_SASL_MECHANISM",
         "RUST_LOG",
     ] {
         command.env_remove(var);
@@ -339,4 +344,46 @@ async fn nats_failures_name_the_server_and_the_cause_never_the_credentials() {
     );
     let line = one_error_line(&relay, 3);
     assert!(line.contains(&place) && !line.contains(&stranger), "{line}");
+}
+
+#[tokio::test]
+async fn kafka_failures_name_the_brokers_and_the_cause_never_the_password() {
+    use diesel_outbox::kafka::{KafkaPublisher, Sasl};
+    let port = closed_port();
+    let refused = KafkaPublisher::builder(format!("127.0.0.1:{port}"))
+        .sasl(Sasl::plain("app", SECRET))
+        .delivery_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect_err("nothing listens")
+        .to_string();
+    assert_refused(&refused, port);
+
+    // The relay's own table is there: what fails is the broker.
+    let schema = common::TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    outbox.migrate(&mut schema.connect().await).await.unwrap();
+    let brokers = format!("127.0.0.1:{port}");
+    let relay = cli(
+        &[
+            "relay",
+            "--table",
+            &table,
+            "--broker",
+            "kafka",
+            "--kafka-sasl-mechanism",
+            "scram-sha-256",
+            "--kafka-user",
+            "app",
+            "--confirm-timeout",
+            "2s",
+        ],
+        &[
+            ("DATABASE_URL", &common::database_url()),
+            ("KAFKA_BROKERS", &brokers),
+            ("KAFKA_PASSWORD", SECRET),
+        ],
+    );
+    assert_refused(&one_error_line(&relay, 3), port);
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use base64::Engine as _;
 use rdkafka::ClientConfig;
 use rdkafka::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
 use crate::tls::Tls;
@@ -174,6 +175,21 @@ impl Observed {
 }
 
 impl ClientContext for Observed {
+    /// librdkafka logs each failed connection attempt as an error, again and again while a
+    /// broker is out of reach; the crate reports the outage itself (with the cause kept by
+    /// [`Observed::error`]), so librdkafka's own lines go to `debug` under the target
+    /// `librdkafka`, but for its emergencies.
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        if matches!(
+            level,
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical
+        ) {
+            tracing::warn!(target: "librdkafka", facility, "{message}");
+        } else {
+            tracing::debug!(target: "librdkafka", facility, "{message}");
+        }
+    }
+
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::debug!(error = %error, reason, "librdkafka reported an error");
         let mut last = self

@@ -332,6 +332,10 @@ struct Tracked {
 }
 
 impl ClientContext for Tracked {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, facility: &str, message: &str) {
+        self.observed.log(level, facility, message);
+    }
+
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
         self.observed.error(error, reason);
     }
