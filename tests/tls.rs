@@ -772,7 +772,7 @@ async fn kafka_declares_publishes_and_consumes_over_tls() {
     }
     use diesel_outbox::consumer::kafka::Source;
     use diesel_outbox::kafka::{KafkaPublisher, Topology};
-    let kafka = common::kafka::TlsTansu::start(&[]).await;
+    let kafka = common::kafka::TlsTansu::start(&[]);
     let tls = diesel_outbox::Tls::new().ca_file(&kafka.ca);
     let topic = common::unique("tls");
     Topology::new()
@@ -814,7 +814,7 @@ async fn kafka_tls_and_sasl_mistakes_name_their_cause() {
     }
     use diesel_outbox::Error;
     use diesel_outbox::kafka::{KafkaPublisher, Sasl};
-    let kafka = common::kafka::TlsTansu::start(&["--authentication"]).await;
+    let kafka = common::kafka::TlsTansu::start(&["--authentication"]);
     let other = write(&tempdir(), "other-ca.pem", &Ca::new("another CA").cert());
     let connect = async |tls: diesel_outbox::Tls, sasl: Option<Sasl>| {
         let mut builder = KafkaPublisher::builder(&kafka.brokers)
@@ -869,9 +869,7 @@ async fn kafka_tls_and_sasl_mistakes_name_their_cause() {
 /// marked sent only once the broker reported it stored); and with a SASL login the broker
 /// refuses, with its password from a file, `relay` fails at start naming the cause, and
 /// the password never reaches its log, even at trace.
-// Two workers: the TLS listener runs on the test's runtime while the test waits for the
-// binary.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn the_binary_relays_to_kafka_over_tls() {
     if !common::services::needs(
         "the_binary_relays_to_kafka_over_tls",
@@ -879,7 +877,7 @@ async fn the_binary_relays_to_kafka_over_tls() {
     ) {
         return;
     }
-    let kafka = common::kafka::TlsTansu::start(&[]).await;
+    let kafka = common::kafka::TlsTansu::start(&[]);
     let topic = common::unique("cli_tls");
     let declared = Command::new(BIN)
         .args(["declare", "--broker", "kafka", "--topic", &topic])
@@ -929,7 +927,7 @@ async fn the_binary_relays_to_kafka_over_tls() {
         .status();
     assert!(relay.wait().unwrap().success());
 
-    let guarded = common::kafka::TlsTansu::start(&["--authentication"]).await;
+    let guarded = common::kafka::TlsTansu::start(&["--authentication"]);
     let password = write(&tempdir(), "password", "hunter2\n");
     let refused = Command::new(BIN)
         .args(["--table", &table, "relay", "--broker", "kafka"])

@@ -184,7 +184,9 @@ impl Drop for Tansu {
 /// a certificate for `localhost` and `127.0.0.1` from the test's CA, and the listener
 /// forwards the decrypted stream to Tansu, which names the listener as its address. The
 /// listener counts handshakes made and refused: the encryption proved from the server's
-/// side.
+/// side. The listener runs on a thread and runtime of its own: a client that blocks the
+/// test's runtime (librdkafka's consumer closes synchronously, talking to the broker) must
+/// not stop the listener it is talking through.
 pub struct TlsTansu {
     pub tansu: Tansu,
     /// `127.0.0.1:<port>` of the TLS listener.
@@ -194,7 +196,8 @@ pub struct TlsTansu {
     pub dir: PathBuf,
     handshakes: Arc<AtomicUsize>,
     refused: Arc<AtomicUsize>,
-    accept: tokio::task::JoinHandle<()>,
+    /// Stops the listener's runtime, and every connection with it.
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl TlsTansu {
@@ -209,7 +212,7 @@ impl TlsTansu {
     }
 
     /// Starts both; `args` go to Tansu (`--authentication`, say).
-    pub async fn start(args: &[&str]) -> TlsTansu {
+    pub fn start(args: &[&str]) -> TlsTansu {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let dir = std::env::temp_dir().join(super::unique("outbox_tls_kafka"));
@@ -229,14 +232,17 @@ impl TlsTansu {
             .with_single_cert(certs, key)
             .unwrap();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
         let tansu = Tansu::start_with(Some(addr), args);
         let upstream: std::net::SocketAddr = tansu.brokers.parse().unwrap();
         let handshakes = Arc::new(AtomicUsize::new(0));
         let refused = Arc::new(AtomicUsize::new(0));
         let (made, failed) = (handshakes.clone(), refused.clone());
-        let accept = tokio::spawn(async move {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let accept = async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
             while let Ok((client, _)) = listener.accept().await {
                 let (acceptor, made, failed) = (acceptor.clone(), made.clone(), failed.clone());
                 tokio::spawn(async move {
@@ -250,6 +256,18 @@ impl TlsTansu {
                     }
                 });
             }
+        };
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                tokio::select! {
+                    () = accept => {}
+                    _ = stopped => {}
+                }
+            });
         });
         TlsTansu {
             tansu,
@@ -258,14 +276,16 @@ impl TlsTansu {
             dir,
             handshakes,
             refused,
-            accept,
+            stop: Some(stop),
         }
     }
 }
 
 impl Drop for TlsTansu {
     fn drop(&mut self) {
-        self.accept.abort();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

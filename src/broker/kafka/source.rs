@@ -257,6 +257,9 @@ impl crate::consumer::Source for Source {
     async fn close(&mut self) {
         if let Some(consumer) = self.consumer.take() {
             consumer.unsubscribe();
+            // librdkafka closes a consumer synchronously (leaving the group, talking to
+            // the coordinator): off the runtime's threads, so it never stalls other tasks.
+            let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
         }
         *lock(&self.offsets) = Offsets::default();
     }
