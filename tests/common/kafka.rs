@@ -183,8 +183,8 @@ impl Drop for Tansu {
 /// listener does not answer TLS clients): clients connect to `brokers` with TLS, verifying
 /// a certificate for `localhost` and `127.0.0.1` from the test's CA, and the listener
 /// forwards the decrypted stream to Tansu, which names the listener as its address. The
-/// listener counts handshakes made and refused: the encryption proved from the server's
-/// side. The listener runs on a thread and runtime of its own: a client that blocks the
+/// listener counts handshakes made, handshakes that failed, and connections that spoke
+/// something else than TLS: the encryption proved from the server's side. The listener runs on a thread and runtime of its own: a client that blocks the
 /// test's runtime (librdkafka's consumer closes synchronously, talking to the broker) must
 /// not stop the listener it is talking through.
 pub struct TlsTansu {
@@ -195,7 +195,8 @@ pub struct TlsTansu {
     pub ca: PathBuf,
     pub dir: PathBuf,
     handshakes: Arc<AtomicUsize>,
-    refused: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+    plaintext: Arc<AtomicUsize>,
     /// Stops the listener's runtime, and every connection with it.
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -206,9 +207,15 @@ impl TlsTansu {
         self.handshakes.load(Ordering::SeqCst)
     }
 
-    /// Connections that did not complete a TLS handshake.
-    pub fn refused(&self) -> usize {
-        self.refused.load(Ordering::SeqCst)
+    /// TLS handshakes that failed (a client that refused the certificate, say).
+    pub fn failed_handshakes(&self) -> usize {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// Connections whose first byte was not a TLS record's (0x16, a handshake); a
+    /// connection closed before its first byte is not counted.
+    pub fn plaintext(&self) -> usize {
+        self.plaintext.load(Ordering::SeqCst)
     }
 
     /// Starts both; `args` go to Tansu (`--authentication`, say).
@@ -238,14 +245,24 @@ impl TlsTansu {
         let tansu = Tansu::start_with(Some(addr), args);
         let upstream: std::net::SocketAddr = tansu.brokers.parse().unwrap();
         let handshakes = Arc::new(AtomicUsize::new(0));
-        let refused = Arc::new(AtomicUsize::new(0));
-        let (made, failed) = (handshakes.clone(), refused.clone());
+        let failed = Arc::new(AtomicUsize::new(0));
+        let plaintext = Arc::new(AtomicUsize::new(0));
+        let counts = (handshakes.clone(), failed.clone(), plaintext.clone());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let accept = async move {
             let listener = tokio::net::TcpListener::from_std(listener).unwrap();
             while let Ok((client, _)) = listener.accept().await {
-                let (acceptor, made, failed) = (acceptor.clone(), made.clone(), failed.clone());
+                let (acceptor, (made, failed, plain)) = (acceptor.clone(), counts.clone());
                 tokio::spawn(async move {
+                    let mut first = [0u8; 1];
+                    match client.peek(&mut first).await {
+                        Ok(1) if first[0] == 0x16 => {}
+                        Ok(1) => {
+                            plain.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        _ => return,
+                    }
                     let Ok(mut client) = acceptor.accept(client).await else {
                         failed.fetch_add(1, Ordering::SeqCst);
                         return;
@@ -275,7 +292,8 @@ impl TlsTansu {
             ca: ca_file,
             dir,
             handshakes,
-            refused,
+            failed,
+            plaintext,
             stop: Some(stop),
         }
     }
