@@ -205,6 +205,9 @@ impl ClientContext for Observed {
     }
 }
 
+/// For a consumer that only reads metadata (the source's look at its topics).
+impl rdkafka::consumer::ConsumerContext for Observed {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -200,7 +200,11 @@ impl crate::consumer::Source for Source {
         // The list of every topic: asking for the topics by name could create them on a
         // cluster that creates topics on first use.
         let listed = tokio::task::spawn_blocking(move || {
-            let reader: BaseConsumer = config.create().map_err(|e| e.to_string())?;
+            // With the crate's context, so that librdkafka's own log lines go where the
+            // source's do.
+            let reader: BaseConsumer<Observed> = config
+                .create_with_context(Observed::default())
+                .map_err(|e| e.to_string())?;
             let metadata = reader
                 .fetch_metadata(None, VERIFY_TIMEOUT)
                 .map_err(|e| e.to_string())?;
@@ -327,8 +331,8 @@ impl Offsets {
     }
 }
 
-/// The consumer's context: forgets revoked partitions before they go, and keeps the last
-/// connection error for the log.
+/// The consumer's context: forgets revoked partitions before they go, and routes
+/// librdkafka's log lines and errors as [`Observed`] does.
 struct Tracked {
     offsets: Arc<Mutex<Offsets>>,
     observed: Observed,
