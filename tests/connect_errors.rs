@@ -105,6 +105,16 @@ fn assert_refused(text: &str, port: u16) {
     );
 }
 
+/// A schema of the test's own with a migrated outbox table: the relay's own table is
+/// there, so what fails is the broker.
+async fn migrated() -> (common::TestSchema, String, Outbox) {
+    let schema = common::TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    outbox.migrate(&mut schema.connect().await).await.unwrap();
+    (schema, table, outbox)
+}
+
 /// A port nothing listens on.
 fn closed_port() -> u16 {
     let [port] = free_ports();
@@ -231,10 +241,7 @@ async fn rabbitmq_failures_name_the_broker_and_the_cause_never_the_password() {
     assert_refused(&refused, port);
 
     // A consumer keeps trying (the password may be rotated in), and its health says why.
-    let schema = common::TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    outbox.migrate(&mut schema.connect().await).await.unwrap();
+    let (_schema, table, outbox) = migrated().await;
     let consumer = Arc::new(
         Consumer::builder(outbox, common::pool(2).await, "refused")
             .source(rabbitmq::Source::queue(&url, "no-matter"))
@@ -320,11 +327,7 @@ async fn nats_failures_name_the_server_and_the_cause_never_the_credentials() {
         "{wrong}"
     );
 
-    // The relay's own table is there: what fails is the broker.
-    let schema = common::TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    outbox.migrate(&mut schema.connect().await).await.unwrap();
+    let (_schema, table, _outbox) = migrated().await;
     let ca = nats.ca.display().to_string();
     let relay = cli(
         &[
@@ -359,11 +362,7 @@ async fn kafka_failures_name_the_brokers_and_the_cause_never_the_password() {
         .to_string();
     assert_refused(&refused, port);
 
-    // The relay's own table is there: what fails is the broker.
-    let schema = common::TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    outbox.migrate(&mut schema.connect().await).await.unwrap();
+    let (_schema, table, _outbox) = migrated().await;
     let brokers = format!("127.0.0.1:{port}");
     let relay = cli(
         &[
