@@ -8,10 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::kafka::{Tansu, brokers, read, read_until};
-use common::{
-    DEADLINE, Effects, eventually, fixture, spawn_consumer, spawn_relay, stop_relay, unique,
-};
-use diesel_async::SimpleAsyncConnection;
+use common::{DEADLINE, Effects, eventually, fixture, spawn_relay, stop_relay, unique};
 use diesel_outbox::Message;
 use diesel_outbox::consumer::{Consumer, kafka};
 use diesel_outbox::kafka::{KafkaPublisher, Topology};
@@ -57,30 +54,13 @@ async fn committed_messages_reach_the_consumer_once_in_order_per_aggregate() {
     let effects = Effects::create(&mut f).await;
     Effects::enqueue_orders(&mut f, 4, 5).await;
 
-    let relay = f
-        .outbox
-        .relay(
-            f.pool.clone(),
-            publisher(&brokers(), &prefix, Duration::from_secs(10)).await,
-        )
-        .poll_interval(Duration::from_millis(50))
-        .build()
-        .unwrap();
-    let (stop, task) = spawn_relay(relay);
+    let publisher = publisher(&brokers(), &prefix, Duration::from_secs(10)).await;
+    let (stop, task) = spawn_relay(f.quick_relay(publisher));
 
     let group = unique("invoicing");
-    let consumer = Consumer::builder(f.outbox.clone(), common::pool(4).await, "invoicing")
-        .source(kafka::Source::group(brokers(), &group, [&topic]).topic_prefix(&prefix))
-        .handler(effects.handler())
-        .concurrency(4)
-        .build()
-        .unwrap();
-    let (stop_consumer, consuming) = spawn_consumer(consumer);
-
-    f.wait_rows("status = 'sent'", 20).await;
-    let applied = effects.wait(20).await;
-    assert!(applied.iter().all(|e| e.key != "never"));
-    Effects::assert_in_order(&applied, 4, 5);
+    let source = kafka::Source::group(brokers(), &group, [&topic]).topic_prefix(&prefix);
+    let (stop_consumer, consuming) = effects.consume(&f, source).await;
+    effects.expect_orders(&mut f, 4, 5).await;
     // One aggregate, one partition: the key is the aggregate key.
     let stored = read(&brokers(), std::slice::from_ref(&topic), 3, 20).await;
     for agg in 0..4 {
@@ -93,48 +73,28 @@ async fn committed_messages_reach_the_consumer_once_in_order_per_aggregate() {
     }
 
     // Everything published again: Kafka keeps both copies, the dedupe applies none twice.
-    f.conn
-        .batch_execute(&format!(
-            "UPDATE {} SET status = 'pending', available_at = now(), sent_at = NULL",
-            f.outbox.table()
-        ))
-        .await
-        .unwrap();
+    f.republish_all().await;
     f.wait_rows("status = 'sent' AND attempts = 2", 20).await;
     read(&brokers(), std::slice::from_ref(&topic), 3, 40).await;
-    // The runner has read the second copies once the group's committed offsets reach 40.
-    eventually(DEADLINE, "the second copies consumed", || async {
-        let committed = committed(&brokers(), &group, &topic, 3);
-        (committed >= 40).then_some(())
+    // All 40 are stored: the runner has read the second copies once its group's commits
+    // reach the end of every partition.
+    eventually(DEADLINE, "the second copies consumed", || {
+        let (group, topic) = (group.clone(), topic.clone());
+        async move {
+            // Off the runtime, which the runner shares: the look blocks.
+            let lag = tokio::task::spawn_blocking(move || {
+                common::kafka::lag(&brokers(), &group, &topic, 3)
+            })
+            .await
+            .unwrap();
+            (lag.ok() == Some(0)).then_some(())
+        }
     })
     .await;
     stop_relay(stop, task).await;
     stop_relay(stop_consumer, consuming).await;
     let again = effects.wait(20).await;
     assert_eq!(again.len(), 20, "no effect applied twice");
-}
-
-/// The sum of the offsets `group` committed on `topic`'s partitions.
-fn committed(brokers: &str, group: &str, topic: &str, partitions: i32) -> i64 {
-    use rdkafka::consumer::{BaseConsumer, Consumer as _};
-    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .create()
-        .unwrap();
-    let mut list = rdkafka::TopicPartitionList::new();
-    for p in 0..partitions {
-        list.add_partition(topic, p);
-    }
-    let Ok(committed) = consumer.committed_offsets(list, Duration::from_secs(5)) else {
-        return 0;
-    };
-    committed
-        .elements()
-        .iter()
-        .filter_map(|e| e.offset().to_raw())
-        .filter(|o| *o > 0)
-        .sum()
 }
 
 /// The broker paused for ten times `max_attempts × backoff max`: nothing becomes a dead
@@ -198,16 +158,8 @@ async fn a_message_over_the_size_limit_dies_alone() {
         f.enqueue(Message::new("t", payload).key(format!("k{i}")))
             .await;
     }
-    let relay = f
-        .outbox
-        .relay(
-            f.pool.clone(),
-            publisher(&brokers(), &prefix, Duration::from_secs(10)).await,
-        )
-        .poll_interval(Duration::from_millis(50))
-        .build()
-        .unwrap();
-    let (stop, task) = spawn_relay(relay);
+    let publisher = publisher(&brokers(), &prefix, Duration::from_secs(10)).await;
+    let (stop, task) = spawn_relay(f.quick_relay(publisher));
     f.wait_rows("status = 'sent' AND attempts = 1", 4).await;
     f.wait_rows("status = 'dead' AND idempotency_key = 'k2'", 1)
         .await;

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use common::nats::{TestStream, header, nats_url};
 use common::proxy::FaultProxy;
-use common::{DEADLINE, Effects, eventually, fixture, spawn_consumer, spawn_relay, stop_relay};
-use diesel_async::SimpleAsyncConnection;
+use common::{DEADLINE, Effects, eventually, fixture, spawn_relay, stop_relay};
 use diesel_outbox::consumer::{Consumer, handler_fn, nats};
 use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::{Error, Message};
@@ -35,39 +34,17 @@ async fn committed_messages_reach_the_consumer_once_and_a_republish_is_stored_on
     let effects = Effects::create(&mut f).await;
     Effects::enqueue_orders(&mut f, 4, 5).await;
 
-    let relay = f
-        .outbox
-        .relay(f.pool.clone(), publisher(nats_url(), &stream.prefix).await)
-        .poll_interval(Duration::from_millis(50))
-        .build()
-        .unwrap();
-    let (stop, task) = spawn_relay(relay);
+    let publisher = publisher(nats_url(), &stream.prefix).await;
+    let (stop, task) = spawn_relay(f.quick_relay(publisher));
 
-    let consumer = Consumer::builder(f.outbox.clone(), common::pool(4).await, "invoicing")
-        .source(
-            nats::Source::durable(nats_url(), &stream.name, "invoicing")
-                .subject_prefix(&stream.prefix),
-        )
-        .handler(effects.handler())
-        .concurrency(4)
-        .build()
-        .unwrap();
-    let (stop_consumer, consuming) = spawn_consumer(consumer);
-
-    f.wait_rows("status = 'sent'", 20).await;
-    let applied = effects.wait(20).await;
-    assert!(applied.iter().all(|e| e.key != "never"));
-    Effects::assert_in_order(&applied, 4, 5);
+    let source =
+        nats::Source::durable(nats_url(), &stream.name, "invoicing").subject_prefix(&stream.prefix);
+    let (stop_consumer, consuming) = effects.consume(&f, source).await;
+    effects.expect_orders(&mut f, 4, 5).await;
     assert_eq!(stream.stored().await, 20);
 
     // Everything published again, within the stream's duplicate window.
-    f.conn
-        .batch_execute(&format!(
-            "UPDATE {} SET status = 'pending', available_at = now(), sent_at = NULL",
-            f.outbox.table()
-        ))
-        .await
-        .unwrap();
+    f.republish_all().await;
     f.wait_rows("status = 'sent' AND attempts = 2", 20).await;
     assert_eq!(
         stream.stored().await,

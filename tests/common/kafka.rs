@@ -308,6 +308,41 @@ impl Drop for TlsTansu {
     }
 }
 
+/// Messages of `topic` (partitions `0..partitions`) that consumer group `group` has not
+/// committed past: per partition, the high watermark less the group's committed offset
+/// (none: the whole partition). Offsets, not counts: compare it with 0 only.
+pub fn lag(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+) -> Result<u64, rdkafka::error::KafkaError> {
+    use rdkafka::consumer::BaseConsumer;
+    let timeout = Duration::from_secs(10);
+    // Of the group, to read its commits; never subscribing, so never a member.
+    let reader: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let mut wanted = TopicPartitionList::new();
+    for partition in 0..partitions {
+        wanted.add_partition(topic, partition);
+    }
+    let committed = reader.committed_offsets(wanted, timeout)?;
+    let mut lag = 0;
+    for partition in 0..partitions {
+        let (_, high) = reader.fetch_watermarks(topic, partition, timeout)?;
+        let done = committed
+            .find_partition(topic, partition)
+            .and_then(|p| p.offset().to_raw())
+            .filter(|o| *o >= 0)
+            .unwrap_or(0);
+        lag += u64::try_from(high - done).unwrap_or(0);
+    }
+    Ok(lag)
+}
+
 /// A message as read back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Read {

@@ -246,6 +246,30 @@ pub const OUTAGE_MAX_ATTEMPTS: u32 = 2;
 pub const OUTAGE_BACKOFF_MAX: Duration = Duration::from_millis(100);
 
 impl Fixture {
+    /// A relay that looks for work every 50 ms, with the default options otherwise.
+    pub fn quick_relay<P: diesel_outbox::Publisher>(
+        &self,
+        publisher: P,
+    ) -> diesel_outbox::Relay<P> {
+        self.outbox
+            .relay(self.pool.clone(), publisher)
+            .poll_interval(Duration::from_millis(50))
+            .build()
+            .unwrap()
+    }
+
+    /// Makes every row pending again, as after a crash between the broker's confirm and
+    /// the outcome's commit: the relay publishes everything a second time.
+    pub async fn republish_all(&mut self) {
+        self.conn
+            .batch_execute(&format!(
+                "UPDATE {} SET status = 'pending', available_at = now(), sent_at = NULL",
+                self.outbox.table()
+            ))
+            .await
+            .unwrap();
+    }
+
     /// A relay with the outage tests' options.
     pub fn outage_relay<P: diesel_outbox::Publisher>(
         &self,
@@ -493,6 +517,37 @@ impl Effects {
                 Ok(())
             })
         })
+    }
+
+    /// Runs the consumer runner on `source` with [`Effects::handler`], four deliveries at
+    /// once, in the background.
+    pub async fn consume<S: diesel_outbox::consumer::Source>(
+        &self,
+        f: &Fixture,
+        source: S,
+    ) -> RunningRelay {
+        let consumer = diesel_outbox::consumer::Consumer::builder(
+            f.outbox.clone(),
+            pool(4).await,
+            "invoicing",
+        )
+        .source(source)
+        .handler(self.handler())
+        .concurrency(4)
+        .build()
+        .unwrap();
+        spawn_consumer(consumer)
+    }
+
+    /// Waits until what [`Effects::enqueue_orders`] wrote is sent and applied, and checks
+    /// that the rolled-back message never was and that each aggregate's were in order.
+    pub async fn expect_orders(&self, f: &mut Fixture, aggregates: usize, per: i32) {
+        let n = aggregates * usize::try_from(per).unwrap();
+        f.wait_rows("status = 'sent'", i64::try_from(n).unwrap())
+            .await;
+        let applied = self.wait(n).await;
+        assert!(applied.iter().all(|e| e.key != "never"));
+        Effects::assert_in_order(&applied, aggregates, per);
     }
 
     /// The effects in the order they were applied, once there are at least `n`.

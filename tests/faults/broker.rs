@@ -331,9 +331,11 @@ impl Broker {
         match self {
             Broker::Kafka { brokers, topic, .. } => {
                 let (brokers, topic) = (brokers.clone(), topic.clone());
-                tokio::task::spawn_blocking(move || kafka_lag(&brokers, &topic))
-                    .await
-                    .unwrap()
+                tokio::task::spawn_blocking(move || {
+                    common::kafka::lag(&brokers, CONSUMER, &topic, PARTITIONS).unwrap()
+                })
+                .await
+                .unwrap()
             }
             Broker::RabbitMq { queue, .. } => queue_depth(queue),
             Broker::Nats { stream, .. } => {
@@ -366,36 +368,6 @@ impl Broker {
             Broker::Kafka { .. } => {}
         }
     }
-}
-
-/// Messages of `topic` the consumer group has not committed past: per partition, the
-/// high watermark less the group's committed offset (none: the whole partition).
-fn kafka_lag(brokers: &str, topic: &str) -> u64 {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
-    let timeout = Duration::from_secs(10);
-    // Of the group, to read its commits; never subscribing, so never a member.
-    let reader: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", CONSUMER)
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap();
-    let mut wanted = rdkafka::TopicPartitionList::new();
-    for partition in 0..PARTITIONS {
-        wanted.add_partition(topic, partition);
-    }
-    let committed = reader.committed_offsets(wanted, timeout).unwrap();
-    (0..PARTITIONS)
-        .map(|partition| {
-            let (_, high) = reader.fetch_watermarks(topic, partition, timeout).unwrap();
-            let done = committed
-                .find_partition(topic, partition)
-                .and_then(|p| p.offset().to_raw())
-                .filter(|o| *o >= 0)
-                .unwrap_or(0);
-            u64::try_from(high - done).unwrap_or(0)
-        })
-        .sum()
 }
 
 /// Runs `start-stop-daemon` on the local nats-server; panics if it fails.
