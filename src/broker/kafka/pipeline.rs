@@ -112,6 +112,8 @@ impl Pipelined for KafkaPublisher {
         if !ended.complete {
             tracing::warn!(endpoint = %self.endpoint, timeout = ?self.delivery_timeout, "Kafka delivery timeout");
         }
+        // Asked once, and only if a report is missing.
+        let mut in_flight = None;
         batch
             .results
             .into_iter()
@@ -120,7 +122,8 @@ impl Pipelined for KafkaPublisher {
                 // means no broker answered (one that stopped responding keeps its
                 // requests in flight), which is an outage.
                 r.unwrap_or_else(|| {
-                    let in_flight = batch.producer.in_flight_count();
+                    let in_flight =
+                        *in_flight.get_or_insert_with(|| batch.producer.in_flight_count());
                     Err(PublishError::unavailable(format!(
                         "Kafka at {} sent no delivery report within the delivery timeout \
                          ({:?}; {in_flight} messages still in flight)",

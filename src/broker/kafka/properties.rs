@@ -54,37 +54,38 @@ pub(crate) fn check_topic(topic: &str) -> Result<(), String> {
 pub(super) fn outgoing(record: &Record, prefix: &str) -> Result<Outgoing, PublishError> {
     let topic = format!("{prefix}{}", record.topic);
     check_topic(&topic).map_err(PublishError::permanent)?;
-    let library = [
+    let attempt = record.attempt.to_string();
+    let mut library = vec![
+        (MESSAGE_ID_HEADER, record.key.as_str()),
+        (ATTEMPT_HEADER, attempt.as_str()),
+    ];
+    if let Some(aggregate) = &record.aggregate_key {
+        library.push((AGGREGATE_HEADER, aggregate));
+    }
+    if let Some(content_type) = &record.content_type {
+        library.push((CONTENT_TYPE_HEADER, content_type));
+    }
+    // Library headers win over user headers of the same name (Kafka would keep both).
+    let reserved = [
         MESSAGE_ID_HEADER,
         ATTEMPT_HEADER,
         AGGREGATE_HEADER,
         CONTENT_TYPE_HEADER,
     ];
-    let attempt = record.attempt.to_string();
-    let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 4);
-    // Library headers win over user headers of the same name (Kafka would keep both).
-    for (name, value) in &record.headers {
-        if !library.iter().any(|l| l.eq_ignore_ascii_case(name)) {
-            headers = headers.insert(Header {
-                key: name,
+    let user = record
+        .headers
+        .iter()
+        .filter(|(name, _)| !reserved.iter().any(|r| r.eq_ignore_ascii_case(name)))
+        .map(|(name, value)| (name.as_str(), value.as_str()));
+    let headers = user.chain(library).fold(
+        OwnedHeaders::new_with_capacity(record.headers.len() + reserved.len()),
+        |headers, (key, value)| {
+            headers.insert(Header {
+                key,
                 value: Some(value.as_bytes()),
-            });
-        }
-    }
-    let mut add = |key: &str, value: &str| {
-        headers = std::mem::replace(&mut headers, OwnedHeaders::new()).insert(Header {
-            key,
-            value: Some(value.as_bytes()),
-        });
-    };
-    add(MESSAGE_ID_HEADER, &record.key);
-    add(ATTEMPT_HEADER, &attempt);
-    if let Some(aggregate) = &record.aggregate_key {
-        add(AGGREGATE_HEADER, aggregate);
-    }
-    if let Some(content_type) = &record.content_type {
-        add(CONTENT_TYPE_HEADER, content_type);
-    }
+            })
+        },
+    );
     Ok(Outgoing {
         topic,
         key: record
