@@ -267,6 +267,7 @@ pub use crate::publisher::{
     publisher_fn,
 };
 pub use crate::relay::{PgPool, Relay, RelayBuilder};
+pub use crate::schema::engine::Engine;
 pub use crate::schema::harness::{MIGRATIONS, OutboxMigrations};
 pub use crate::schema::migrate::MigrationFiles;
 pub use crate::sql::WAKE_LOCK_CLASS;

@@ -17,6 +17,17 @@ use crate::sql::{Sql, TableName, from_micros, micros, statement};
 /// Rows deleted per statement by the purge operations, so no statement holds long locks.
 pub(crate) const PURGE_BATCH: i64 = 1_000;
 
+/// A row `o` of the log that the cursor has passed: its transaction is in a tick before the
+/// open one, or in the open tick at or before the cursor's position. The cursor's values
+/// come as scalar subqueries (computed once), not a join, so that they bound index scans.
+fn behind(cursor: &str) -> String {
+    format!(
+        "(pg_visible_in_snapshot(o.xid, (SELECT lo FROM {cursor} WHERE part = 0)) \
+         OR (pg_visible_in_snapshot(o.xid, (SELECT hi FROM {cursor} WHERE part = 0)) \
+         AND o.id <= (SELECT after FROM {cursor} WHERE part = 0)))"
+    )
+}
+
 /// Beyond this many sent rows `stats` reports the planner's estimate instead of counting.
 const SENT_EXACT_LIMIT: i64 = 100_000;
 
@@ -64,11 +75,21 @@ impl OpsStatements {
         let t = table.quoted();
         let inbox = table.quoted_with("_inbox");
         let relays = table.quoted_with("_relays");
+        let cursor = table.quoted_with("_cursor");
         OpsStatements {
+            // On the log engine, the log's rows the cursor has not passed are pending too
+            // (read through the `(xid, id)` index from the oldest transaction the cursor
+            // may not have passed), and count toward the lag.
             stats: Sql::new(format!(
-                "SELECT\n\
+                "WITH backlog AS MATERIALIZED (\n\
+                 \x20   SELECT o.created_at FROM {t} o WHERE o.status = 'logged' \
+                 AND o.xid >= (SELECT pg_snapshot_xmin(lo) FROM {cursor} WHERE part = 0) \
+                 AND NOT {behind}\n\
+                 )\n\
+                 SELECT\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
-                 AND (lease_until IS NULL OR lease_until <= now())) AS pending,\n\
+                 AND (lease_until IS NULL OR lease_until <= now())) \
+                 + (SELECT count(*) FROM backlog) AS pending,\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
                  AND lease_until > now()) AS in_flight,\n\
                  \x20   (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'sent' \
@@ -76,11 +97,13 @@ impl OpsStatements {
                  \x20   (SELECT greatest(reltuples, 0)::bigint FROM pg_class \
                  WHERE oid = to_regclass({sent_index})) AS sent_estimate,\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'dead') AS dead,\n\
-                 \x20   (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
+                 \x20   (SELECT (extract(epoch FROM now() - least(min(created_at), \
+                 (SELECT min(created_at) FROM backlog))) * 1000000)::bigint \
                  FROM {t} WHERE status = 'pending' AND available_at <= now()) AS lag_us,\n\
                  \x20   (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint \
                  FROM {relays} WHERE expires_at > now()) AS blocked_us",
                 sent_index = StatsQuery::sent_index,
+                behind = behind(&cursor),
             )),
             redrive: Sql::new(format!(
                 "UPDATE {t} SET status = 'pending', attempts = 0, available_at = now(), \
@@ -94,15 +117,24 @@ impl OpsStatements {
                  created_at, dead_at FROM {t} WHERE status = 'dead' ORDER BY id LIMIT {}",
                 DeadLetters::limit
             )),
+            // Sent rows by the time they were sent; on the log engine also the log's rows
+            // the cursor has passed, by the time they were enqueued, oldest transactions
+            // first: the `(xid, id)` index's order, so the scan walks it and stops.
             purge_sent: Sql::new(format!(
-                "WITH doomed AS MATERIALIZED (\n\
+                "WITH sent AS MATERIALIZED (\n\
                  \x20   SELECT id FROM {t} WHERE status = 'sent' \
                  AND sent_at < now() - {age} * interval '1 microsecond'\n\
                  \x20   ORDER BY sent_at LIMIT {batch} FOR UPDATE SKIP LOCKED\n\
+                 ), logged AS MATERIALIZED (\n\
+                 \x20   SELECT o.id FROM {t} o WHERE o.status = 'logged' \
+                 AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM {cursor} WHERE part = 0) \
+                 AND o.created_at < now() - {age} * interval '1 microsecond' AND {behind}\n\
+                 \x20   ORDER BY o.xid, o.id LIMIT {batch} FOR UPDATE OF o SKIP LOCKED\n\
                  )\n\
-                 DELETE FROM {t} WHERE id IN (SELECT id FROM doomed)",
+                 DELETE FROM {t} WHERE id IN (SELECT id FROM sent UNION ALL SELECT id FROM logged)",
                 age = Purge::age_us,
                 batch = Purge::batch,
+                behind = behind(&cursor),
             )),
             purge_inbox: Sql::new(format!(
                 "WITH doomed AS MATERIALIZED (\n\
@@ -123,13 +155,16 @@ impl OpsStatements {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Pending rows not leased by a relay (due now, delayed, or waiting for a retry).
+    /// Pending rows not leased by a relay (due now, delayed, or waiting for a retry); on
+    /// the log engine ([`Engine::Log`](crate::Engine::Log)) also the log's rows its cursor
+    /// has not passed.
     pub pending: u64,
     /// Pending rows leased by a relay right now.
     pub in_flight: u64,
     /// Sent rows still in the table (until purged). Exact up to 100,000; beyond that
     /// PostgreSQL's estimate for the sent-rows index (refreshed by autovacuum and ANALYZE),
-    /// flagged by [`Stats::sent_is_estimate`].
+    /// flagged by [`Stats::sent_is_estimate`]. The log engine's rows its cursor has passed
+    /// are not among them: they are never written after enqueue.
     pub sent: u64,
     /// True when [`Stats::sent`] is an estimate.
     pub sent_is_estimate: bool,
@@ -326,8 +361,9 @@ impl Outbox {
     }
 
     /// Deletes sent rows whose `sent_at` is older than `older_than`, in batches of 1,000,
-    /// and returns how many went. Once a row is gone, enqueueing its key again is no
-    /// longer reported as a duplicate.
+    /// and returns how many went; on the log engine also the log's rows its cursor has
+    /// passed that were enqueued longer ago than `older_than`. Once a row is gone,
+    /// enqueueing its key again is no longer reported as a duplicate.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for an age that does not fit PostgreSQL's interval;

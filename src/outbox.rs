@@ -6,6 +6,7 @@ use std::sync::{Arc, LazyLock};
 use crate::defaults;
 use crate::error::{Error, Result};
 use crate::message::Limits;
+use crate::schema::engine::Engine;
 use crate::sql::{TableName, TableStatements};
 
 /// An outbox table: its name, its limits, and every SQL statement rendered for it.
@@ -34,6 +35,8 @@ pub(crate) struct OutboxShared {
     pub(crate) sql: TableStatements,
     pub(crate) limits: Limits,
     pub(crate) notify: bool,
+    /// The engine `migrate` moves the table to; `None` leaves it where it is.
+    pub(crate) engine: Option<Engine>,
 }
 
 impl fmt::Debug for Outbox {
@@ -43,6 +46,7 @@ impl fmt::Debug for Outbox {
             .field("max_payload_bytes", &self.inner.limits.max_payload_bytes)
             .field("max_headers_bytes", &self.inner.limits.max_headers_bytes)
             .field("notify", &self.inner.notify)
+            .field("engine", &self.inner.engine)
             .finish()
     }
 }
@@ -117,6 +121,7 @@ pub struct OutboxBuilder {
     max_payload_bytes: usize,
     max_headers_bytes: usize,
     notify: bool,
+    engine: Option<Engine>,
 }
 
 impl Default for OutboxBuilder {
@@ -126,6 +131,7 @@ impl Default for OutboxBuilder {
             max_payload_bytes: defaults::MAX_PAYLOAD_BYTES,
             max_headers_bytes: defaults::MAX_HEADERS_BYTES,
             notify: true,
+            engine: None,
         }
     }
 }
@@ -166,6 +172,28 @@ impl OutboxBuilder {
         self
     }
 
+    /// The engine [`Outbox::migrate`] moves the table to (a new table is created on
+    /// [`Engine::PerRow`]). The move runs in `migrate`'s transaction under the table's lock,
+    /// waiting at most 10 seconds for it (then it fails and changes nothing), and loses no
+    /// message: from per-row to log, rows already pending stay with the per-row side and
+    /// every row written afterwards goes through the log; from log to per-row, the rows
+    /// the log's cursor has passed count as sent and the rest become pending, and relays
+    /// still running on the log are fenced off. Relays pick the new engine up by
+    /// themselves. Without this option `migrate` leaves the engine as it is, so a service
+    /// that migrates on every start does not undo an operator's move.
+    ///
+    /// ```
+    /// use diesel_outbox::{Engine, Outbox};
+    ///
+    /// let outbox = Outbox::builder().engine(Engine::Log).build()?;
+    /// # let _ = outbox;
+    /// # Ok::<(), diesel_outbox::Error>(())
+    /// ```
+    pub fn engine(mut self, engine: Engine) -> Self {
+        self.engine = Some(engine);
+        self
+    }
+
     /// Validates the table name and renders every statement for it.
     ///
     /// # Errors
@@ -196,6 +224,7 @@ impl OutboxBuilder {
                     max_headers_bytes: self.max_headers_bytes,
                 },
                 notify: self.notify,
+                engine: self.engine,
             }),
         })
     }

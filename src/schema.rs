@@ -1,5 +1,5 @@
 //! Diesel `table!` definitions for the default table names (`outbox`, `outbox_inbox`,
-//! `outbox_migrations`, `outbox_relays`), for typed reads with Diesel's query builder.
+//! `outbox_migrations`, `outbox_relays`, `outbox_cursor`), for typed reads with Diesel's query builder.
 //!
 //! Write through [`Outbox`](crate::Outbox) rather than inserting here directly: enqueue
 //! validates, fills the key and wakes relays. A custom table name has no `table!` of its
@@ -44,10 +44,27 @@
 // What creates these tables, all private: the DDL of each schema version, the migration
 // runner, and the same schema as diesel migrations.
 pub(crate) mod ddl;
+pub(crate) mod engine;
 pub(crate) mod harness;
 pub(crate) mod migrate;
 
+/// PostgreSQL types of the outbox's columns that Diesel has no type for.
+pub mod sql_types {
+    /// `xid8`: a transaction id with its epoch.
+    #[derive(diesel::sql_types::SqlType, diesel::query_builder::QueryId, Debug, Clone, Copy)]
+    #[diesel(postgres_type(name = "xid8"))]
+    pub struct Xid8;
+
+    /// `pg_snapshot`: which transactions a snapshot sees.
+    #[derive(diesel::sql_types::SqlType, diesel::query_builder::QueryId, Debug, Clone, Copy)]
+    #[diesel(postgres_type(name = "pg_snapshot"))]
+    pub struct PgSnapshot;
+}
+
 diesel::table! {
+    use diesel::sql_types::*;
+    use super::sql_types::Xid8;
+
     /// The outbox: one row per message.
     outbox (id) {
         /// Enqueue order.
@@ -64,7 +81,8 @@ diesel::table! {
         content_type -> Nullable<Text>,
         /// User headers: a JSON object of strings.
         headers -> Jsonb,
-        /// `pending`, `sent` or `dead`.
+        /// `pending`, `sent` or `dead`; on the log engine, `logged` until the cursor has
+        /// passed it (and for good after: a row the cursor passed counts as sent).
         status -> Text,
         /// Attempts used from the failure budget.
         attempts -> Integer,
@@ -82,6 +100,8 @@ diesel::table! {
         sent_at -> Nullable<Timestamptz>,
         /// When it became a dead letter.
         dead_at -> Nullable<Timestamptz>,
+        /// The id of the transaction that wrote it (rows written since schema version 4).
+        xid -> Nullable<Xid8>,
     }
 }
 
@@ -122,9 +142,40 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    use diesel::sql_types::*;
+    use super::sql_types::PgSnapshot;
+
+    /// The log engine's cursor: one row while the table is on the log engine, none on the
+    /// per-row engine.
+    outbox_cursor (part) {
+        /// The partition of the log it reads (0).
+        part -> Integer,
+        /// The snapshot the open tick starts after.
+        lo -> PgSnapshot,
+        /// The snapshot the open tick ends with: its rows are visible in `hi`, not in `lo`.
+        hi -> PgSnapshot,
+        /// The largest id of the open tick.
+        ceiling -> BigInt,
+        /// The last id of the open tick done (published or handed to the per-row side).
+        after -> BigInt,
+        /// Ticks opened.
+        tick -> BigInt,
+        /// Reads of the current part of the tick that did not finish.
+        page_attempts -> Integer,
+        /// The relay holding the lease.
+        owner -> Nullable<Text>,
+        /// The lease's end.
+        lease_until -> Nullable<Timestamptz>,
+        /// Incremented whenever another relay takes the cursor over; fences the one before.
+        token -> BigInt,
+    }
+}
+
 diesel::allow_tables_to_appear_in_same_query!(
     outbox,
     outbox_inbox,
     outbox_migrations,
-    outbox_relays
+    outbox_relays,
+    outbox_cursor
 );

@@ -64,6 +64,33 @@ fn json(out: &Output) -> serde_json::Value {
     serde_json::from_str(&stdout(out)).expect("--json prints JSON")
 }
 
+/// `migrate --engine` moves the table and says which engine it is on; without the flag
+/// the engine stays; a name that is no engine is a usage error that changes nothing.
+#[tokio::test]
+async fn migrate_moves_the_engine_only_when_asked() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let engine = |out: &Output| json(out)["engine"].as_str().unwrap().to_owned();
+    assert_eq!(engine(&cli(&table, &["migrate", "--json"])), "per-row");
+    assert_eq!(
+        engine(&cli(&table, &["migrate", "--engine", "log", "--json"])),
+        "log"
+    );
+    assert_eq!(engine(&cli(&table, &["migrate", "--json"])), "log");
+    let bad = cli(&table, &["migrate", "--engine", "rows"]);
+    assert_eq!(bad.status.code(), Some(2), "a usage error");
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("per-row, log"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+    assert_eq!(engine(&cli(&table, &["migrate", "--json"])), "log");
+    assert_eq!(
+        stdout(&cli(&table, &["migrate", "--engine", "per-row"])).trim(),
+        format!("{table} is migrated, on the per-row engine")
+    );
+}
+
 #[tokio::test]
 async fn migrate_then_stats_shows_zeros() {
     let schema = TestSchema::new().await;

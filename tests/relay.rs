@@ -30,7 +30,7 @@ impl RowExt for Fixture {
             "SELECT status, attempts, fencing_token, last_error, \
              lease_until IS NOT NULL AND lease_until > now() AS leased \
              FROM {} WHERE idempotency_key = $1",
-            self.outbox.table()
+            common::rows_of(self.outbox.table())
         ))
         .bind::<Text, _>(key)
         .get_result(&mut self.conn)
@@ -183,6 +183,11 @@ async fn stale_relay(
 
 #[tokio::test]
 async fn a_stale_relay_after_lease_expiry_is_fenced() {
+    if common::per_row_only(
+        "row leases and tokens; see a_relay_whose_cursor_was_taken_over_moves_nothing",
+    ) {
+        return;
+    }
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "x").key("k")).await;
 
@@ -217,6 +222,11 @@ async fn a_stale_relay_after_lease_expiry_is_fenced() {
 
 #[tokio::test]
 async fn a_stale_claim_survives_neither_redrive_nor_a_new_claim() {
+    if common::per_row_only(
+        "row leases and tokens; the cursor's fencing is tested by a_relay_whose_cursor_was_taken_over_moves_nothing",
+    ) {
+        return;
+    }
     let mut f = fixture().await;
     f.enqueue(Message::new("t", "x").key("k")).await;
 
@@ -1047,6 +1057,11 @@ async fn a_failed_run_member_releases_its_successors_untried() {
 /// row per batch turns a burst into quadratic work).
 #[tokio::test]
 async fn a_batch_reads_only_its_rows_when_statistics_predate_the_backlog() {
+    if common::per_row_only(
+        "the per-row claim's plan; the log's page reads are tested by a_page_of_the_log_reads_in_proportion_to_its_rows",
+    ) {
+        return;
+    }
     let mut f = fixture().await;
     let t = f.outbox.table().to_owned();
     f.conn
@@ -1311,6 +1326,11 @@ async fn no_two_publishes_of_one_aggregate_ever_overlap_even_across_redrives() {
 /// every head before the batch size cuts them.
 #[tokio::test]
 async fn a_claim_reads_in_proportion_to_its_batch() {
+    if common::per_row_only(
+        "the per-row claim; see a_page_of_the_log_reads_in_proportion_to_its_rows",
+    ) {
+        return;
+    }
     let mut f = fixture().await;
     let t = f.outbox.table().to_owned();
     f.conn
@@ -1445,6 +1465,11 @@ async fn sent_once_on_first_attempt(f: &mut Fixture, recorder: &Recorder, keys: 
 /// the relay claiming and publishing other work meanwhile.
 #[tokio::test]
 async fn a_hung_publish_costs_only_itself_and_the_relay_keeps_claiming() {
+    if common::per_row_only(
+        "on the log engine a publish that hangs holds the next tick back until the publisher's timeout ends it",
+    ) {
+        return;
+    }
     let mut f = fixture().await;
     for key in ["a", "poison-1", "c", "poison-2", "d", "poison-3"] {
         f.enqueue(Message::new("t", key).key(key)).await;
@@ -2081,4 +2106,227 @@ async fn shutdown_is_bounded_while_the_database_does_not_answer() {
         took < Duration::from_millis(200) + Duration::from_secs(2),
         "run_until returned {took:?} after shutdown"
     );
+}
+
+/// Checks that every key of `messages` was published, each aggregate's in order, and
+/// returns how many publishes there were.
+fn published_in_order(recorder: &Recorder, messages: usize) -> usize {
+    let records = recorder.records();
+    let keys: std::collections::HashSet<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(keys.len(), messages, "every message published");
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for r in &records {
+        let aggregate = r.aggregate_key.clone().unwrap();
+        let seq: i64 = String::from_utf8(r.payload.clone())
+            .unwrap()
+            .parse()
+            .unwrap();
+        let before = last.insert(aggregate.clone(), seq).unwrap_or(-1);
+        assert!(seq >= before, "{aggregate}: {seq} after {before}");
+    }
+    records.len()
+}
+
+/// A backlog half drained on one engine finishes on the other, both ways: nothing lost,
+/// nothing published twice (no batch was in flight at the move), each aggregate in order.
+#[tokio::test]
+async fn a_backlog_half_drained_on_one_engine_finishes_on_the_other() {
+    use diesel_outbox::Engine;
+    for (first, second) in [(Engine::PerRow, Engine::Log), (Engine::Log, Engine::PerRow)] {
+        let mut f = fixture().await;
+        let on = |engine| {
+            Outbox::builder()
+                .table(f.outbox.table())
+                .engine(engine)
+                .build()
+                .unwrap()
+        };
+        on(first).migrate(&mut f.conn).await.unwrap();
+        assert_eq!(f.outbox.engine(&mut f.conn).await.unwrap(), first);
+        let messages = interleaved(10, 20);
+        f.outbox
+            .enqueue_many_alone(&mut f.conn, messages)
+            .await
+            .unwrap();
+        let recorder = Recorder::default();
+        let relay = f
+            .outbox
+            .relay(f.pool.clone(), recorder.clone())
+            .batch_size(100)
+            .build()
+            .unwrap();
+        relay.run_once().await.unwrap();
+        let halfway = recorder.len();
+        assert!((1..200).contains(&halfway), "{first}: {halfway} published");
+
+        on(second).migrate(&mut f.conn).await.unwrap();
+        assert_eq!(f.outbox.engine(&mut f.conn).await.unwrap(), second);
+        // Written after the move: the other engine's rows.
+        let late: Vec<Message> = (20..25)
+            .flat_map(|seq| {
+                (0..10).map(move |agg| {
+                    Message::new("t", format!("{seq}"))
+                        .key(format!("a{agg}-{seq:02}"))
+                        .aggregate_key(format!("a{agg}"))
+                })
+            })
+            .collect();
+        f.outbox
+            .enqueue_many_alone(&mut f.conn, late)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let claimed = relay.run_once().await.unwrap();
+            if claimed == 0 && recorder.len() >= 250 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{first} → {second}: never drained"
+            );
+            if claimed == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        assert_eq!(
+            published_in_order(&recorder, 250),
+            250,
+            "{first} → {second}: published twice"
+        );
+        assert_eq!(f.count("status = 'sent'").await, 250, "{first} → {second}");
+    }
+}
+
+/// On the log engine: a relay whose cursor another relay took over (its lease ran out
+/// while a publish hung) publishes, but its finish moves nothing and hands nothing over:
+/// its failures do not turn rows the other relay published into dead letters.
+#[tokio::test]
+async fn a_relay_whose_cursor_was_taken_over_moves_nothing() {
+    let mut f = fixture().await;
+    Outbox::builder()
+        .table(f.outbox.table())
+        .engine(diesel_outbox::Engine::Log)
+        .build()
+        .unwrap()
+        .migrate(&mut f.conn)
+        .await
+        .unwrap();
+    for i in 0..5 {
+        f.enqueue(Message::new("t", "x").key(format!("k{i}"))).await;
+    }
+    // The stale relay: its publishes wait for the gate, then fail for good.
+    let gate = Arc::new(Notify::new());
+    let started = Arc::new(Notify::new());
+    let stale = f
+        .outbox
+        .relay(f.pool.clone(), {
+            let (gate, started) = (gate.clone(), started.clone());
+            publisher_fn(move |_| {
+                let (gate, started) = (gate.clone(), started.clone());
+                async move {
+                    started.notify_one();
+                    gate.notified().await;
+                    Err(PublishError::permanent(
+                        "the stale relay's broker refuses it",
+                    ))
+                }
+            })
+        })
+        .lease(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let stale_run = tokio::spawn(async move { stale.run_once().await });
+    tokio::time::timeout(DEADLINE, started.notified())
+        .await
+        .expect("the stale relay publishes");
+    // Its lease runs out; another relay takes the cursor and publishes everything.
+    diesel::sql_query(format!(
+        "UPDATE {}_cursor SET lease_until = now()",
+        f.outbox.table()
+    ))
+    .execute(&mut f.conn)
+    .await
+    .unwrap();
+    let recorder = Recorder::default();
+    let fresh = f.quick_relay(recorder.clone());
+    let deadline = Instant::now() + DEADLINE;
+    while recorder.len() < 5 {
+        assert!(Instant::now() < deadline, "the new holder never published");
+        fresh.run_once().await.unwrap();
+    }
+    assert_eq!(f.count("status = 'sent'").await, 5);
+    gate.notify_waiters();
+    for _ in 0..5 {
+        gate.notify_one();
+    }
+    tokio::time::timeout(DEADLINE, stale_run)
+        .await
+        .expect("the stale relay's batch ends")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        f.count("status = 'dead'").await,
+        0,
+        "the stale relay was fenced"
+    );
+    assert_eq!(f.count("status = 'sent'").await, 5);
+}
+
+/// On the log engine: once a tick is open, a page reads in proportion to its rows, not to
+/// the backlog or to the rows the cursor passed long ago.
+#[tokio::test]
+async fn a_page_of_the_log_reads_in_proportion_to_its_rows() {
+    let mut f = fixture().await;
+    Outbox::builder()
+        .table(f.outbox.table())
+        .engine(diesel_outbox::Engine::Log)
+        .build()
+        .unwrap()
+        .migrate(&mut f.conn)
+        .await
+        .unwrap();
+    let t = f.outbox.table().to_owned();
+    // 5,000 rows the cursor will have passed, then a backlog of 5,000.
+    let insert = |prefix: &str| {
+        format!(
+            "INSERT INTO {t} (idempotency_key, topic, payload) \
+             SELECT '{prefix}' || g, 't', '\\x00'::bytea FROM generate_series(1, 5000) g"
+        )
+    };
+    f.conn.batch_execute(&insert("old")).await.unwrap();
+    let pool = common::pool(1).await;
+    let relay = f
+        .outbox
+        .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
+        .batch_size(1000)
+        .without_listen()
+        .build()
+        .unwrap();
+    while relay.run_once().await.unwrap() > 0 {}
+    assert_eq!(f.count("status = 'sent'").await, 5000);
+    // That relay is done: its lease lapses, for the next one to take.
+    f.conn
+        .batch_execute(&format!("UPDATE {t}_cursor SET lease_until = now()"))
+        .await
+        .unwrap();
+    f.conn.batch_execute(&insert("new")).await.unwrap();
+    f.conn.batch_execute(&format!("ANALYZE {t}")).await.unwrap();
+    let small = f
+        .outbox
+        .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
+        .batch_size(10)
+        .without_listen()
+        .build()
+        .unwrap();
+    // The first batch opens the tick (which reads the tick's rows once).
+    assert_eq!(small.run_once().await.unwrap(), 10);
+    let before = entries_read(&pool, &t).await;
+    assert_eq!(small.run_once().await.unwrap(), 10);
+    let read = entries_read(&pool, &t).await - before;
+    assert!(
+        (10..1_000).contains(&read),
+        "a page of 10 rows read {read} index and table entries"
+    );
+    assert_eq!(f.count("status = 'sent'").await, 5020);
 }

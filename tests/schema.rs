@@ -70,7 +70,7 @@ async fn migrate_repeatedly_and_concurrently(outbox: Outbox, schema: &TestSchema
     assert!(table_exists(&mut conn, &format!("{t}_inbox")).await);
     assert_eq!(
         versions(&mut conn, &format!("{t}_migrations")).await,
-        vec![1, 2, 3]
+        vec![1, 2, 3, 4]
     );
     outbox
         .enqueue_alone(&mut conn, Message::new("t", "works"))
@@ -190,7 +190,10 @@ async fn migrate_upgrades_a_table_left_at_version_one() {
     let migrations_table = format!("{}_migrations", outbox.table());
     assert_eq!(versions(&mut conn, &migrations_table).await, vec![1]);
     outbox.migrate(&mut conn).await.unwrap();
-    assert_eq!(versions(&mut conn, &migrations_table).await, vec![1, 2, 3]);
+    assert_eq!(
+        versions(&mut conn, &migrations_table).await,
+        vec![1, 2, 3, 4]
+    );
     let stats = outbox.stats(&mut conn).await.unwrap();
     assert_eq!(stats.blocked_for, None);
     assert_eq!(fillfactor(&mut conn, outbox.table()).await, "fillfactor=50");
@@ -230,13 +233,13 @@ async fn embedded_migrations_run_through_diesels_harness() {
     let applied = harness
         .run_pending_migrations(diesel_outbox::MIGRATIONS)
         .unwrap();
-    assert_eq!(applied.len(), 3);
+    assert_eq!(applied.len(), 4);
     let mut conn = harness.into_inner();
 
     // The same schema as `migrate`, which therefore finds nothing to do.
     assert_eq!(
         versions(&mut conn, "outbox_migrations").await,
-        vec![1, 2, 3]
+        vec![1, 2, 3, 4]
     );
     Outbox::new().migrate(&mut conn).await.unwrap();
     Outbox::new()
@@ -264,7 +267,7 @@ async fn sql_statements_build_the_same_schema() {
     }
     assert_eq!(
         versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
-        vec![1, 2, 3]
+        vec![1, 2, 3, 4]
     );
     outbox.migrate(&mut conn).await.unwrap();
     outbox
@@ -293,7 +296,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     let mut harness = AsyncMigrationHarness::new(schema.connect().await);
     for outbox in [&first, &second] {
         let applied = harness.run_pending_migrations(outbox.migrations()).unwrap();
-        assert_eq!(applied.len(), 3, "{}", outbox.table());
+        assert_eq!(applied.len(), 4, "{}", outbox.table());
     }
     assert!(
         harness
@@ -305,7 +308,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     for outbox in [&first, &second] {
         assert_eq!(
             versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
-            vec![1, 2, 3]
+            vec![1, 2, 3, 4]
         );
         outbox.migrate(&mut conn).await.unwrap();
         outbox
@@ -332,7 +335,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     let reverted = harness
         .revert_all_migrations(Both(vec![first.migrations(), second.migrations()]))
         .unwrap();
-    assert_eq!(reverted.len(), 6);
+    assert_eq!(reverted.len(), 8);
     let mut conn = harness.into_inner();
     assert!(!table_exists(&mut conn, first.table()).await);
     assert!(!table_exists(&mut conn, second.table()).await);
@@ -344,7 +347,9 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
 async fn the_table_definitions_match_the_migrated_schema() {
     use diesel::sql_types::{self, SqlType};
     use diesel::{Column, Expression, Table};
-    use diesel_outbox::schema::{outbox, outbox_inbox, outbox_migrations, outbox_relays};
+    use diesel_outbox::schema::{
+        outbox, outbox_cursor, outbox_inbox, outbox_migrations, outbox_relays,
+    };
 
     /// PostgreSQL's name (`udt_name`) of a Diesel SQL type, and whether it is nullable.
     trait Described {
@@ -364,6 +369,8 @@ async fn the_table_definitions_match_the_migrated_schema() {
         sql_types::Jsonb => "jsonb",
         sql_types::Bool => "bool",
         sql_types::Timestamptz => "timestamptz",
+        diesel_outbox::schema::sql_types::Xid8 => "xid8",
+        diesel_outbox::schema::sql_types::PgSnapshot => "pg_snapshot",
     );
     impl<T: Described + SqlType> Described for sql_types::Nullable<T> {
         const NAME: &'static str = T::NAME;
@@ -425,6 +432,7 @@ async fn the_table_definitions_match_the_migrated_schema() {
                 column::<outbox::created_at>(),
                 column::<outbox::sent_at>(),
                 column::<outbox::dead_at>(),
+                column::<outbox::xid>(),
             ],
             all_columns(outbox::table),
             vec![<outbox::table as Table>::PrimaryKey::NAME],
@@ -461,6 +469,23 @@ async fn the_table_definitions_match_the_migrated_schema() {
             ],
             all_columns(outbox_relays::table),
             vec![<outbox_relays::table as Table>::PrimaryKey::NAME],
+        ),
+        (
+            "outbox_cursor",
+            vec![
+                column::<outbox_cursor::part>(),
+                column::<outbox_cursor::lo>(),
+                column::<outbox_cursor::hi>(),
+                column::<outbox_cursor::ceiling>(),
+                column::<outbox_cursor::after>(),
+                column::<outbox_cursor::tick>(),
+                column::<outbox_cursor::page_attempts>(),
+                column::<outbox_cursor::owner>(),
+                column::<outbox_cursor::lease_until>(),
+                column::<outbox_cursor::token>(),
+            ],
+            all_columns(outbox_cursor::table),
+            vec![<outbox_cursor::table as Table>::PrimaryKey::NAME],
         ),
     ];
     // `outbox_inbox`'s key is a pair: check the table! says so too.

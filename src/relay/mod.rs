@@ -6,6 +6,7 @@ mod held;
 mod janitor;
 mod limits;
 pub(crate) mod listener;
+pub(crate) mod log;
 mod options;
 mod outage;
 pub(crate) mod presence;
@@ -188,6 +189,11 @@ impl<P: Publisher> RelayBuilder<P> {
         let store = Arc::new(PgStore {
             outbox: self.outbox.clone(),
             pool: self.pool.clone(),
+            log: log::Log::new(
+                self.outbox.clone(),
+                self.pool.clone(),
+                uuid::Uuid::new_v4().to_string(),
+            ),
         });
         self.build_on(store)
     }

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use super::Relay;
 use super::limits::MAX_STALLED;
+use super::log::Page;
 use super::store::{Batch, Claimed, Outcome};
 use crate::publisher::{BatchResults, PublishError, Publisher, Record};
 use crate::shutdown::until_stopped;
@@ -177,6 +178,10 @@ impl Drain {
 struct Outcomes<P> {
     relay: Relay<P>,
     pending: Vec<Outcome>,
+    /// The batch's page of the log, and its rows' outcomes: recorded all at once, when the
+    /// batch is over, by finishing the page (see `relay::log`).
+    page: Option<Page>,
+    log: Vec<Outcome>,
     flushing: Option<JoinHandle<()>>,
     stalled: bool,
     /// Recording keeps trying until then: a lease after the leases end (a late outcome
@@ -188,7 +193,11 @@ struct Outcomes<P> {
 
 impl<P: Publisher> Outcomes<P> {
     fn push(&mut self, outcome: Outcome) {
-        self.pending.push(outcome);
+        if self.page.as_ref().is_some_and(|p| p.holds(outcome.id)) {
+            self.log.push(outcome);
+        } else {
+            self.pending.push(outcome);
+        }
     }
 
     fn stall(&mut self) {
@@ -227,6 +236,16 @@ impl<P: Publisher> Outcomes<P> {
         if let Some(flush) = self.flushing.take() {
             let _ = flush.await;
         }
+        if let Some(page) = self.page.take() {
+            let outage = self.relay.inner.outage.since().is_some();
+            page.finish(
+                std::mem::take(&mut self.log),
+                outage,
+                self.record_by,
+                self.stop.clone(),
+            )
+            .await;
+        }
     }
 }
 
@@ -259,11 +278,14 @@ impl<P: Publisher> Relay<P> {
             crash_looped,
             undecodable,
             hold,
+            page,
         } = batch;
         let record_by = claimed_at + 2 * inner.options.lease;
         let mut outcomes = Outcomes {
             relay: self.clone(),
             pending: Vec::with_capacity(ready.len() + undecodable.len()),
+            page,
+            log: Vec::new(),
             flushing: None,
             stalled: false,
             record_by,

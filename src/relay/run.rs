@@ -552,10 +552,12 @@ impl<'a, P: Publisher> Loop<'a, P> {
                 // Started after `stop`, it releases its records untried.
                 self.start(batch, None);
             } else {
-                // The relay stops on an error: give the waiting batch back untried.
+                // The relay stops on an error: give the waiting batch back untried (a page
+                // of the log, dropped unfinished, is read again).
                 let outcomes: Vec<Outcome> = batch
                     .ready
                     .iter()
+                    .filter(|c| !batch.page.as_ref().is_some_and(|p| p.holds(c.record.id)))
                     .map(|c| Outcome::release(&c.record, c.token))
                     .collect();
                 self.relay
@@ -566,6 +568,12 @@ impl<'a, P: Publisher> Loop<'a, P> {
         while let Some(done) = self.in_flight.join_next().await {
             self.relay.finished(done);
         }
+        // Every page is finished: another relay may take the log's cursor at once.
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            self.relay.inner.store.give_back(),
+        )
+        .await;
         // Housekeeping only: the record lapses by itself.
         let _ = tokio::time::timeout(
             Duration::from_millis(200),

@@ -16,6 +16,7 @@ use tokio::sync::watch;
 
 use super::held::Hold;
 use super::limits::RECORD_GRACE;
+use super::log::{Log, Page};
 use super::options::Options;
 use super::{PgPool, Relay};
 use crate::backoff::Backoff;
@@ -297,6 +298,8 @@ pub(crate) struct Batch {
     pub(crate) undecodable: Vec<(Record, Outcome)>,
     /// Keeps the relay's own claims off these rows until their outcomes are recorded.
     pub(crate) hold: Option<Hold>,
+    /// A page of the log, whose rows are among `ready` (on a table on the log engine).
+    pub(crate) page: Option<Page>,
 }
 
 impl Default for Batch {
@@ -307,13 +310,17 @@ impl Default for Batch {
             crash_looped: Vec::new(),
             undecodable: Vec::new(),
             hold: None,
+            page: None,
         }
     }
 }
 
 impl Batch {
     pub(crate) fn claimed(&self) -> usize {
-        self.ready.len() + self.crash_looped.len() + self.undecodable.len()
+        self.ready.len()
+            + self.crash_looped.len()
+            + self.undecodable.len()
+            + self.page.as_ref().map_or(0, |p| p.handed.len())
     }
 
     /// The rows whose outcomes are still to be recorded.
@@ -366,6 +373,18 @@ impl Outcome {
         Self::new(r, token, OUTCOME_RELEASE, Duration::ZERO, None)
     }
 
+    /// A row of the log handed to the per-row side without an attempt charged.
+    pub(crate) fn moved(id: i64) -> Self {
+        Outcome {
+            id,
+            token: 0,
+            attempt: 0,
+            kind: super::log::HAND_OVER_MOVE,
+            delay: Duration::ZERO,
+            error: None,
+        }
+    }
+
     fn new(
         r: &Record,
         token: i64,
@@ -413,7 +432,7 @@ impl Outbox {
             let token = row.fencing_token;
             let status_dead = row.status == "dead";
             // A row that cannot be decoded is still named by key and topic as it dies.
-            let (headers, created_at, undecodable) = match decode(&row) {
+            let (headers, created_at, undecodable) = match decode(row.created_at, &row.headers) {
                 Ok((headers, created_at)) => (headers, created_at, None),
                 Err(why) => (BTreeMap::new(), DateTime::UNIX_EPOCH, Some(why)),
             };
@@ -509,8 +528,12 @@ pub(crate) trait Store: Send + Sync + 'static {
     fn claim<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>>;
     /// Records outcomes; returns how many were fenced off.
     fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>>;
-    /// Whether any pending row is due and unleased.
+    /// Whether any pending row is due and unleased, or the log has work.
     fn due(&self) -> BoxFuture<'_, Result<bool>>;
+    /// Gives the log's cursor back, if this relay holds it.
+    fn give_back(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
     /// Upserts this relay's record in `<table>_relays`.
     fn set_state<'a>(
         &'a self,
@@ -530,13 +553,28 @@ pub(crate) trait Store: Send + Sync + 'static {
 pub(crate) struct PgStore {
     pub(crate) outbox: Outbox,
     pub(crate) pool: PgPool,
+    /// The log engine's state: a claim also reads a page of the log when the table is on
+    /// it.
+    pub(crate) log: std::sync::Arc<Log>,
 }
 
 impl Store for PgStore {
     fn claim<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>> {
         Box::pin(async move {
-            let mut conn = crate::checkout(&self.pool).await?;
-            self.outbox.claim(&mut conn, options, held).await
+            let mut batch = {
+                let mut conn = crate::checkout(&self.pool).await?;
+                self.outbox.claim(&mut conn, options, held).await?
+            };
+            let room = options.batch_size.saturating_sub(batch.claimed());
+            if room > 0
+                && let Some(read) = self.log.next_page(options, room).await?
+            {
+                batch.ready.extend(read.ready);
+                batch.ready.sort_by_key(|c| c.record.id);
+                batch.undecodable.extend(read.undecodable);
+                batch.page = Some(read.page);
+            }
+            Ok(batch)
         })
     }
 
@@ -550,8 +588,12 @@ impl Store for PgStore {
     fn due(&self) -> BoxFuture<'_, Result<bool>> {
         Box::pin(async move {
             let mut conn = crate::checkout(&self.pool).await?;
-            self.outbox.anything_due(&mut conn).await
+            Ok(self.outbox.anything_due(&mut conn).await? || self.log.has_work(&mut conn).await?)
         })
+    }
+
+    fn give_back(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.log.give_back())
     }
 
     fn set_state<'a>(
@@ -652,7 +694,8 @@ impl<P: Publisher> Relay<P> {
 /// Planner settings for the claim. It must walk the partial indexes in id order and stop at
 /// the batch size; right after a bulk load, stale statistics can make a bitmap scan and sort
 /// look cheaper, and that costs time in proportion to the whole backlog on every claim.
-const CLAIM_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
+pub(super) const CLAIM_PLAN: &str =
+    "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
 
 /// Planner settings for recording outcomes: index scans as for the claim, and no nested
 /// loop. When the statistics say few rows are pending (say, analysed before a burst), the
@@ -678,13 +721,14 @@ where
 }
 
 /// The columns of a claimed row that rows written by other means can spoil.
-fn decode(
-    row: &ClaimRow,
+pub(crate) fn decode(
+    created_at: Option<DateTime<Utc>>,
+    headers: &str,
 ) -> std::result::Result<(BTreeMap<String, String>, DateTime<Utc>), String> {
-    let created_at = row.created_at.ok_or_else(|| {
+    let created_at = created_at.ok_or_else(|| {
         "undecodable row: created_at is not a time between the years 1 and 9999".to_owned()
     })?;
-    Ok((decode_headers(&row.headers)?, created_at))
+    Ok((decode_headers(headers)?, created_at))
 }
 
 fn decode_headers(text: &str) -> std::result::Result<BTreeMap<String, String>, String> {

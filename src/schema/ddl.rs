@@ -138,6 +138,57 @@ impl Ddl {
             ],
         };
 
+        // Version 4: what the log engine needs (see `relay::log`): each row's top-level
+        // transaction id, the `logged` status, the index the log is read through, and the
+        // cursor. A table stays on the per-row engine until it is moved (`Engine`); the
+        // column is added without a default first, so that rows already there are not
+        // rewritten, and only rows written from now on carry their transaction's id.
+        let cursor = table.quoted_with("_cursor");
+        let check = o("_status_check");
+        let v4 = Migration {
+            up: vec![
+                format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS xid xid8"),
+                format!("ALTER TABLE {t} ALTER COLUMN xid SET DEFAULT pg_current_xact_id()"),
+                format!(
+                    "ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {check}, ADD CONSTRAINT {check} \
+                     CHECK (status IN ('pending', 'sent', 'dead', 'logged')) NOT VALID"
+                ),
+                format!("ALTER TABLE {t} VALIDATE CONSTRAINT {check}"),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (xid, id) WHERE status = 'logged'",
+                    o("_logged_idx")
+                ),
+                // One row per partition of the log while the table is on the log engine;
+                // none on the per-row engine.
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {cursor} (\n\
+                     \x20   part integer NOT NULL,\n\
+                     \x20   lo pg_snapshot NOT NULL,\n\
+                     \x20   hi pg_snapshot NOT NULL,\n\
+                     \x20   ceiling bigint NOT NULL DEFAULT 0,\n\
+                     \x20   after bigint NOT NULL DEFAULT 0,\n\
+                     \x20   tick bigint NOT NULL DEFAULT 0,\n\
+                     \x20   page_attempts integer NOT NULL DEFAULT 0,\n\
+                     \x20   owner text,\n\
+                     \x20   lease_until timestamptz,\n\
+                     \x20   token bigint NOT NULL DEFAULT 0,\n\
+                     \x20   CONSTRAINT {pkey} PRIMARY KEY (part)\n\
+                     )",
+                    pkey = o("_cursor_pkey"),
+                ),
+            ],
+            down: vec![
+                format!("DROP TABLE IF EXISTS {cursor}"),
+                format!("DROP INDEX IF EXISTS {}", table.quoted_with("_logged_idx")),
+                format!(
+                    "ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {check}, ADD CONSTRAINT {check} \
+                     CHECK (status IN ('pending', 'sent', 'dead'))"
+                ),
+                format!("ALTER TABLE {t} DROP COLUMN IF EXISTS xid"),
+                format!("DELETE FROM {migrations_table} WHERE version = 4"),
+            ],
+        };
+
         Ddl {
             create_schema: table
                 .schema()
@@ -157,7 +208,7 @@ impl Ddl {
                 "INSERT INTO {migrations_table} (version) VALUES ({}) ON CONFLICT DO NOTHING",
                 RecordVersion::version
             )),
-            migrations: vec![v1, v2, v3],
+            migrations: vec![v1, v2, v3, v4],
         }
     }
 

@@ -20,7 +20,12 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 /// When each schema version was written: the version stamps of the crate's `migrations/`
 /// folders, which diesel's harness records (a test checks they match).
-const VERSION_STAMPS: &[&str] = &["20261130000000", "20261201000000", "20261202000000"];
+const VERSION_STAMPS: &[&str] = &[
+    "20261130000000",
+    "20261201000000",
+    "20261202000000",
+    "20261203000000",
+];
 
 impl Outbox {
     /// This table's schema as diesel migrations, one per schema version, for a host app

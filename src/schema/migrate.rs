@@ -25,7 +25,9 @@ impl Outbox {
     ///
     /// Safe on every start and from many processes at once: it runs in one transaction
     /// under an advisory lock, applies only the versions missing from `<table>_migrations`,
-    /// and creates the schema of a `schema.name` table if needed.
+    /// and creates the schema of a `schema.name` table if needed. Built with
+    /// [`OutboxBuilder::engine`](crate::OutboxBuilder::engine), it then moves the table to
+    /// that engine if it is on the other.
     ///
     /// # Errors
     /// [`Error::Migration`] when the database holds a newer version than this crate knows;
@@ -75,6 +77,9 @@ impl Outbox {
                     .await?;
                 tracing::info!(table = %table, version, "outbox migration applied");
             }
+            if let Some(engine) = self.inner.engine {
+                self.move_engine(c, engine).await?;
+            }
             Ok::<_, Error>(())
         })
         .await
@@ -92,6 +97,7 @@ impl Outbox {
     pub fn down_sql(&self) -> Vec<String> {
         let t = &self.inner.table;
         vec![
+            format!("DROP TABLE IF EXISTS {}", t.quoted_with("_cursor")),
             format!("DROP TABLE IF EXISTS {}", t.quoted_with("_relays")),
             format!("DROP TABLE IF EXISTS {}", t.quoted_with("_inbox")),
             format!("DROP TABLE IF EXISTS {}", t.quoted()),

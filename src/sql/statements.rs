@@ -8,10 +8,12 @@ use crate::{enqueue, inbox, ops, relay, schema};
 #[derive(Debug, Clone)]
 pub(crate) struct TableStatements {
     pub(crate) ddl: schema::ddl::Ddl,
+    pub(crate) engine: schema::engine::EngineStatements,
     pub(crate) enqueue: enqueue::EnqueueStatements,
     pub(crate) inbox: inbox::InboxStatements,
     pub(crate) ops: ops::OpsStatements,
     pub(crate) store: relay::store::StoreStatements,
+    pub(crate) log: relay::log::LogStatements,
     pub(crate) listener: relay::listener::ListenerStatements,
     pub(crate) presence: relay::presence::PresenceStatements,
 }
@@ -20,10 +22,12 @@ impl TableStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         TableStatements {
             ddl: schema::ddl::Ddl::render(table),
+            engine: schema::engine::EngineStatements::render(table),
             enqueue: enqueue::EnqueueStatements::render(table),
             inbox: inbox::InboxStatements::render(table),
             ops: ops::OpsStatements::render(table),
             store: relay::store::StoreStatements::render(table),
+            log: relay::log::LogStatements::render(table),
             listener: relay::listener::ListenerStatements::render(table),
             presence: relay::presence::PresenceStatements::render(table),
         }
@@ -44,14 +48,18 @@ impl Listed for TableStatements {
     fn listed(&self) -> Vec<(String, &str)> {
         let TableStatements {
             ddl,
+            engine,
             enqueue,
             inbox,
             ops,
             store,
+            log,
             listener,
             presence,
         } = self;
-        let sets: [&dyn Listed; 7] = [ddl, enqueue, inbox, ops, store, listener, presence];
+        let sets: [&dyn Listed; 9] = [
+            ddl, engine, enqueue, inbox, ops, store, log, listener, presence,
+        ];
         sets.into_iter().flat_map(Listed::listed).collect()
     }
 }

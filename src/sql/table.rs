@@ -22,6 +22,9 @@ pub(crate) const SUFFIXES: &[&str] = &[
     "_migrations_pkey",
     "_relays",
     "_relays_pkey",
+    "_logged_idx",
+    "_cursor",
+    "_cursor_pkey",
 ];
 
 /// Suffix of the NOTIFY channel, which is built from the qualified name.

@@ -98,6 +98,71 @@ ALTER TABLE "sales"."orders_outbox" SET (fillfactor = 70);
 -- migration 3 down 1
 DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 3;
 
+-- migration 4 up 0
+ALTER TABLE "sales"."orders_outbox" ADD COLUMN IF NOT EXISTS xid xid8;
+
+-- migration 4 up 1
+ALTER TABLE "sales"."orders_outbox" ALTER COLUMN xid SET DEFAULT pg_current_xact_id();
+
+-- migration 4 up 2
+ALTER TABLE "sales"."orders_outbox" DROP CONSTRAINT IF EXISTS "orders_outbox_status_check", ADD CONSTRAINT "orders_outbox_status_check" CHECK (status IN ('pending', 'sent', 'dead', 'logged')) NOT VALID;
+
+-- migration 4 up 3
+ALTER TABLE "sales"."orders_outbox" VALIDATE CONSTRAINT "orders_outbox_status_check";
+
+-- migration 4 up 4
+CREATE INDEX IF NOT EXISTS "orders_outbox_logged_idx" ON "sales"."orders_outbox" (xid, id) WHERE status = 'logged';
+
+-- migration 4 up 5
+CREATE TABLE IF NOT EXISTS "sales"."orders_outbox_cursor" (
+    part integer NOT NULL,
+    lo pg_snapshot NOT NULL,
+    hi pg_snapshot NOT NULL,
+    ceiling bigint NOT NULL DEFAULT 0,
+    after bigint NOT NULL DEFAULT 0,
+    tick bigint NOT NULL DEFAULT 0,
+    page_attempts integer NOT NULL DEFAULT 0,
+    owner text,
+    lease_until timestamptz,
+    token bigint NOT NULL DEFAULT 0,
+    CONSTRAINT "orders_outbox_cursor_pkey" PRIMARY KEY (part)
+);
+
+-- migration 4 down 0
+DROP TABLE IF EXISTS "sales"."orders_outbox_cursor";
+
+-- migration 4 down 1
+DROP INDEX IF EXISTS "sales"."orders_outbox_logged_idx";
+
+-- migration 4 down 2
+ALTER TABLE "sales"."orders_outbox" DROP CONSTRAINT IF EXISTS "orders_outbox_status_check", ADD CONSTRAINT "orders_outbox_status_check" CHECK (status IN ('pending', 'sent', 'dead'));
+
+-- migration 4 down 3
+ALTER TABLE "sales"."orders_outbox" DROP COLUMN IF EXISTS xid;
+
+-- migration 4 down 4
+DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 4;
+
+-- engine is_log
+SELECT EXISTS (SELECT 1 FROM "sales"."orders_outbox_cursor") AS log;
+
+-- engine to_log
+SET LOCAL lock_timeout = '10s';
+LOCK TABLE "sales"."orders_outbox" IN ACCESS EXCLUSIVE MODE;
+ALTER TABLE "sales"."orders_outbox" ALTER COLUMN status SET DEFAULT 'logged';
+INSERT INTO "sales"."orders_outbox_cursor" (part, lo, hi)
+    SELECT 0, s, s FROM (SELECT (x || ':' || x || ':')::pg_snapshot AS s FROM (SELECT least(pg_snapshot_xmin(pg_current_snapshot()), pg_current_xact_id()) AS x) AS a) AS b
+ON CONFLICT (part) DO NOTHING;
+
+-- engine to_per_row
+SET LOCAL lock_timeout = '10s';
+LOCK TABLE "sales"."orders_outbox" IN ACCESS EXCLUSIVE MODE;
+UPDATE "sales"."orders_outbox" t SET status = 'sent', sent_at = t.created_at FROM "sales"."orders_outbox_cursor" c
+    WHERE t.status = 'logged' AND (pg_visible_in_snapshot(t.xid, c.lo) OR (pg_visible_in_snapshot(t.xid, c.hi) AND t.id <= c.after));
+UPDATE "sales"."orders_outbox" SET status = 'pending', available_at = now() WHERE status = 'logged';
+ALTER TABLE "sales"."orders_outbox" ALTER COLUMN status SET DEFAULT 'pending';
+DELETE FROM "sales"."orders_outbox_cursor";
+
 -- enqueue
 WITH m AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)
@@ -154,13 +219,16 @@ SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake
 INSERT INTO "sales"."orders_outbox_inbox" (consumer, idempotency_key) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING true AS inserted;
 
 -- stats
+WITH backlog AS MATERIALIZED (
+    SELECT o.created_at FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= (SELECT pg_snapshot_xmin(lo) FROM "sales"."orders_outbox_cursor" WHERE part = 0) AND NOT (pg_visible_in_snapshot(o.xid, (SELECT lo FROM "sales"."orders_outbox_cursor" WHERE part = 0)) OR (pg_visible_in_snapshot(o.xid, (SELECT hi FROM "sales"."orders_outbox_cursor" WHERE part = 0)) AND o.id <= (SELECT after FROM "sales"."orders_outbox_cursor" WHERE part = 0)))
+)
 SELECT
-    (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'pending' AND (lease_until IS NULL OR lease_until <= now())) AS pending,
+    (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'pending' AND (lease_until IS NULL OR lease_until <= now())) + (SELECT count(*) FROM backlog) AS pending,
     (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'pending' AND lease_until > now()) AS in_flight,
     (SELECT count(*) FROM (SELECT 1 FROM "sales"."orders_outbox" WHERE status = 'sent' LIMIT 100000) AS s) AS sent_counted,
     (SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)) AS sent_estimate,
     (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'dead') AS dead,
-    (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint FROM "sales"."orders_outbox" WHERE status = 'pending' AND available_at <= now()) AS lag_us,
+    (SELECT (extract(epoch FROM now() - least(min(created_at), (SELECT min(created_at) FROM backlog))) * 1000000)::bigint FROM "sales"."orders_outbox" WHERE status = 'pending' AND available_at <= now()) AS lag_us,
     (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint FROM "sales"."orders_outbox_relays" WHERE expires_at > now()) AS blocked_us;
 
 -- redrive
@@ -170,11 +238,14 @@ UPDATE "sales"."orders_outbox" SET status = 'pending', attempts = 0, available_a
 SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, created_at, dead_at FROM "sales"."orders_outbox" WHERE status = 'dead' ORDER BY id LIMIT $1;
 
 -- purge_sent
-WITH doomed AS MATERIALIZED (
+WITH sent AS MATERIALIZED (
     SELECT id FROM "sales"."orders_outbox" WHERE status = 'sent' AND sent_at < now() - $1 * interval '1 microsecond'
     ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED
+), logged AS MATERIALIZED (
+    SELECT o.id FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM "sales"."orders_outbox_cursor" WHERE part = 0) AND o.created_at < now() - $1 * interval '1 microsecond' AND (pg_visible_in_snapshot(o.xid, (SELECT lo FROM "sales"."orders_outbox_cursor" WHERE part = 0)) OR (pg_visible_in_snapshot(o.xid, (SELECT hi FROM "sales"."orders_outbox_cursor" WHERE part = 0)) AND o.id <= (SELECT after FROM "sales"."orders_outbox_cursor" WHERE part = 0)))
+    ORDER BY o.xid, o.id LIMIT $2 FOR UPDATE OF o SKIP LOCKED
 )
-DELETE FROM "sales"."orders_outbox" WHERE id IN (SELECT id FROM doomed);
+DELETE FROM "sales"."orders_outbox" WHERE id IN (SELECT id FROM sent UNION ALL SELECT id FROM logged);
 
 -- purge_inbox
 WITH doomed AS MATERIALIZED (
@@ -258,6 +329,59 @@ UPDATE "sales"."orders_outbox" t SET
 FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::bigint[], $5::text[], $6::integer[]) AS o(id, token, kind, delay_us, err, attempt)
 WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.fencing_token = o.token AND t.status = 'pending'
 RETURNING t.id;
+
+-- log take
+UPDATE "sales"."orders_outbox_cursor" SET
+    token = CASE WHEN owner = $1 THEN token ELSE least(token, 9223372036854775806) + 1 END,
+    page_attempts = CASE WHEN owner IS NOT NULL AND owner <> $1 AND after < ceiling THEN least(page_attempts, 2147483646) + 1 ELSE page_attempts END,
+    owner = $1, lease_until = now() + $2 * interval '1 microsecond'
+WHERE part = 0 AND (owner = $1 OR owner IS NULL OR lease_until <= now())
+RETURNING lo::text AS lo, hi::text AS hi, ceiling, after, tick, page_attempts, token;
+
+-- log open_tick
+WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS cur),
+n AS MATERIALIZED (
+    SELECT min(o.id) AS floor, max(o.id) AS ceiling FROM "sales"."orders_outbox" o, s
+    WHERE o.status = 'logged' AND (o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($3::pg_snapshot))) OR o.xid >= pg_snapshot_xmax($3::pg_snapshot)) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot) AND pg_visible_in_snapshot(o.xid, s.cur)
+)
+UPDATE "sales"."orders_outbox_cursor" c SET lo = c.hi, hi = s.cur, ceiling = n.ceiling, after = n.floor - 1, tick = c.tick + 1, page_attempts = 0, lease_until = now() + $4 * interval '1 microsecond'
+FROM s, n
+WHERE c.part = 0 AND c.token = $1 AND c.tick = $2 AND c.after = c.ceiling AND n.floor IS NOT NULL
+RETURNING c.lo::text AS lo, c.hi::text AS hi, c.ceiling, c.after, c.tick, c.page_attempts, c.token;
+
+-- log read_page
+SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
+    SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
+        SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
+        FROM "sales"."orders_outbox" o WHERE o.id > $1 AND o.id <= $2 AND o.status = 'logged'
+        AND pg_visible_in_snapshot(o.xid, $4::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot)
+        ORDER BY o.id LIMIT $5
+    ) AS p
+) AS q WHERE n < $5 AND (n = 1 OR total <= $6) ORDER BY id;
+
+-- log pending_aggregates
+SELECT DISTINCT aggregate_key AS key FROM "sales"."orders_outbox" WHERE status = 'pending' AND aggregate_key = ANY($1::text[]);
+
+-- log advance
+UPDATE "sales"."orders_outbox_cursor" SET after = $4, page_attempts = $5, lease_until = now() + $6 * interval '1 microsecond'
+WHERE part = 0 AND token = $1 AND tick = $2 AND after = $3
+RETURNING after;
+
+-- log hand_over
+UPDATE "sales"."orders_outbox" t SET
+    status = CASE o.kind WHEN 'dead' THEN 'dead' ELSE 'pending' END,
+    dead_at = CASE WHEN o.kind = 'dead' THEN now() END,
+    available_at = CASE WHEN o.kind = 'retry' THEN now() + o.delay_us * interval '1 microsecond' ELSE t.available_at END,
+    attempts = o.attempt,
+    last_error = o.err
+FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::integer[]) AS o(id, kind, delay_us, err, attempt)
+WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.status = 'logged';
+
+-- log give_back
+UPDATE "sales"."orders_outbox_cursor" SET owner = NULL, lease_until = now() WHERE part = 0 AND owner = $1 AND token = $2;
+
+-- log committed
+SELECT (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= pg_snapshot_xmax($1::pg_snapshot) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL OR (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($1::pg_snapshot))) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL AS found;
 
 -- watch
 SELECT pg_try_advisory_lock(1869968503, '"sales"."orders_outbox"'::regclass::oid::int4) AS got, EXISTS (

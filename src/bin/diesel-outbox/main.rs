@@ -88,7 +88,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Create or upgrade the outbox and inbox tables (safe to run on every start).
-    Migrate,
+    Migrate(schema::MigrateArgs),
     /// Print the schema statements, or write them as diesel CLI migration folders.
     Sql(schema::SqlArgs),
     /// Show pending, in-flight, sent and dead counts and the lag.
@@ -233,7 +233,7 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
         return relay::run(&outbox, &url, cli.no_statement_cache, *args).await;
     }
     match cli.command {
-        Command::Migrate => schema::migrate(&outbox, &mut conn, &mut output).await,
+        Command::Migrate(args) => schema::migrate(&outbox, &mut conn, &args, &mut output).await,
         Command::Stats(args) => ops::stats(&outbox, &mut conn, args, &mut output).await,
         Command::Dead(args) => ops::dead(&outbox, &mut conn, args, &mut output).await,
         Command::Redrive(args) => ops::redrive(&outbox, &mut conn, args, &mut output).await,

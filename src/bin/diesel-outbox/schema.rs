@@ -21,15 +21,34 @@ pub(crate) struct SqlArgs {
     version: Option<usize>,
 }
 
+/// `migrate`'s arguments.
+#[derive(clap::Args)]
+pub(crate) struct MigrateArgs {
+    /// Move the table to this relay engine (`per-row` or `log`) if it is on the other;
+    /// without it the engine stays as it is (a new table starts on `per-row`)
+    #[arg(long, value_parser = clap::value_parser!(diesel_outbox::Engine))]
+    engine: Option<diesel_outbox::Engine>,
+}
+
 pub(crate) async fn migrate(
     outbox: &Outbox,
     conn: &mut AsyncPgConnection,
+    args: &MigrateArgs,
     out: &mut Output<'_>,
 ) -> Result<(), Failure> {
+    let outbox = match args.engine {
+        Some(engine) => Outbox::builder()
+            .table(outbox.table())
+            .engine(engine)
+            .build()?,
+        None => outbox.clone(),
+    };
     outbox.migrate(conn).await?;
-    out.print(json!({ "table": outbox.table(), "migrated": true }), || {
-        format!("{} is migrated", outbox.table())
-    })
+    let engine = outbox.engine(conn).await?;
+    out.print(
+        json!({ "table": outbox.table(), "migrated": true, "engine": engine.name() }),
+        || format!("{} is migrated, on the {engine} engine", outbox.table()),
+    )
 }
 
 pub(crate) fn sql(outbox: &Outbox, args: &SqlArgs, out: &mut Output<'_>) -> Result<(), Failure> {
