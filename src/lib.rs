@@ -224,6 +224,7 @@ mod broker;
 mod connect;
 pub mod consumer;
 pub mod defaults;
+mod engine;
 mod enqueue;
 mod error;
 mod health;
@@ -252,6 +253,7 @@ pub use crate::broker::rabbitmq;
 pub use crate::connect::{
     checkout, connection_manager, establish, establish_without_statement_cache,
 };
+pub use crate::engine::Engine;
 pub use crate::enqueue::EnqueueExt;
 pub use crate::error::{BoxError, Error, Result};
 pub use crate::health::Health;
@@ -267,7 +269,6 @@ pub use crate::publisher::{
     publisher_fn,
 };
 pub use crate::relay::{PgPool, Relay, RelayBuilder};
-pub use crate::schema::engine::Engine;
 pub use crate::schema::harness::{MIGRATIONS, OutboxMigrations};
 pub use crate::schema::migrate::MigrationFiles;
 pub use crate::sql::WAKE_LOCK_CLASS;

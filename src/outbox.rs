@@ -4,9 +4,9 @@ use std::fmt;
 use std::sync::{Arc, LazyLock};
 
 use crate::defaults;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::message::Limits;
-use crate::schema::engine::Engine;
 use crate::sql::{TableName, TableStatements};
 
 /// An outbox table: its name, its limits, and every SQL statement rendered for it.

@@ -44,9 +44,9 @@
 // What creates these tables, all private: the DDL of each schema version, the migration
 // runner, and the same schema as diesel migrations.
 pub(crate) mod ddl;
-pub(crate) mod engine;
 pub(crate) mod harness;
 pub(crate) mod migrate;
+pub(crate) mod moves;
 
 /// PostgreSQL types of the outbox's columns that Diesel has no type for.
 pub mod sql_types {

@@ -25,7 +25,10 @@ use tokio::time::Instant;
 
 use super::PgPool;
 use super::options::Options;
-use super::store::{Claimed, OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT, Outcome};
+use super::outcome::{
+    CLAIM_PLAN, Claimed, OUTCOME_DEAD, OUTCOME_MOVE, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT,
+    Outcome,
+};
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Record;
@@ -109,10 +112,6 @@ statement! {
         hi: Text = String,
     }
 }
-
-/// A hand-over that charges no attempt: a delayed message, or one behind its aggregate's
-/// rows on the per-row side.
-pub(crate) const HAND_OVER_MOVE: &str = "move";
 
 /// The log engine's statements for one table.
 #[derive(Debug, Clone)]
@@ -562,7 +561,7 @@ impl Log {
                 max_bytes: i64::try_from(options.max_batch_bytes).unwrap_or(i64::MAX),
             });
             conn.transaction(async move |c| {
-                c.batch_execute(super::store::CLAIM_PLAN).await?;
+                c.batch_execute(CLAIM_PLAN).await?;
                 query.load(c).await
             })
             .await
@@ -694,7 +693,7 @@ impl Log {
                 .as_ref()
                 .is_some_and(|a| moved_aggregates.contains(a));
             let (headers, created_at, undecodable) =
-                match super::store::decode(row.created_at, &row.headers) {
+                match super::outcome::decode(row.created_at, &row.headers) {
                     Ok((h, c)) => (h, c, None),
                     Err(why) => (Default::default(), DateTime::UNIX_EPOCH, Some(why)),
                 };
@@ -913,7 +912,7 @@ impl Page {
                 .is_some_and(|a| handed_aggregates.contains(a));
             let fate = match &outcome {
                 Some(o) if o.kind == OUTCOME_SENT => Fate::Done,
-                Some(o) if [OUTCOME_RETRY, OUTCOME_DEAD, HAND_OVER_MOVE].contains(&o.kind) => {
+                Some(o) if [OUTCOME_RETRY, OUTCOME_DEAD, OUTCOME_MOVE].contains(&o.kind) => {
                     Fate::HandOver
                 }
                 _ if outage && !behind_hand_over => Fate::Unfinished,

@@ -9,6 +9,7 @@ pub(crate) mod listener;
 pub(crate) mod log;
 mod options;
 mod outage;
+mod outcome;
 pub(crate) mod presence;
 mod publish;
 mod run;

@@ -31,9 +31,10 @@ use tokio::time::Instant;
 
 use super::limits::{MAX_STALLED, PIPELINE, RECORD_GRACE};
 use super::listener::{self, WATCH_RETRY, Wake, Watch};
+use super::outcome::Outcome;
 use super::presence::{IDLE_REFRESH, RunName};
 use super::publish::Slot;
-use super::store::{Batch, Outcome};
+use super::store::Batch;
 use super::{Relay, gauges, janitor};
 use crate::error::{Error, Result};
 use crate::publisher::Publisher;
@@ -597,8 +598,9 @@ mod tests {
     use crate::outbox::Outbox;
     use crate::publisher::{PublishError, Record};
     use crate::relay::options::Options;
+    use crate::relay::outcome::{Claimed, OUTCOME_RELEASE, OUTCOME_SENT};
     use crate::relay::publish::STALL;
-    use crate::relay::store::{Claimed, OUTCOME_RELEASE, OUTCOME_SENT, Store};
+    use crate::relay::store::Store;
     use crate::relay::{PgPool, RelayBuilder};
 
     #[derive(Debug)]

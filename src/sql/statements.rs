@@ -8,7 +8,7 @@ use crate::{enqueue, inbox, ops, relay, schema};
 #[derive(Debug, Clone)]
 pub(crate) struct TableStatements {
     pub(crate) ddl: schema::ddl::Ddl,
-    pub(crate) engine: schema::engine::EngineStatements,
+    pub(crate) engine: schema::moves::EngineStatements,
     pub(crate) enqueue: enqueue::EnqueueStatements,
     pub(crate) inbox: inbox::InboxStatements,
     pub(crate) ops: ops::OpsStatements,
@@ -22,7 +22,7 @@ impl TableStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         TableStatements {
             ddl: schema::ddl::Ddl::render(table),
-            engine: schema::engine::EngineStatements::render(table),
+            engine: schema::moves::EngineStatements::render(table),
             enqueue: enqueue::EnqueueStatements::render(table),
             inbox: inbox::InboxStatements::render(table),
             ops: ops::OpsStatements::render(table),
