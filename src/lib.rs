@@ -182,6 +182,12 @@
 //! to that harness for any table name. [`schema`] holds the `table!` definitions of the
 //! default tables, for typed reads.
 //!
+//! A table is on one of two relay engines ([`Engine`]): [`Engine::PerRow`], the default,
+//! writes each relayed row twice (its claim, its outcome); [`Engine::Log`] records progress
+//! once per page in a cursor row, `<name>_cursor`, and hands only a failed or delayed
+//! message (and its aggregate's later ones) to the per-row machinery. Build the `Outbox`
+//! with [`OutboxBuilder::engine`] and `migrate` moves the table.
+//!
 //! # Wake-up
 //! Relays are woken the moment an enqueuing transaction commits: the enqueue sends a NOTIFY,
 //! which PostgreSQL delivers only on commit. A notifying commit takes a cluster-wide lock,
@@ -199,8 +205,9 @@
 //! - a writer (enqueue): `INSERT` on `<table>` and `SELECT (idempotency_key)` on it; the
 //!   wake lock and `pg_notify` need nothing;
 //! - a consumer (dedupe, or the [`consumer`] runner): `INSERT` on `<table>_inbox`;
-//! - a relay: `SELECT, UPDATE, DELETE` on `<table>` and `<table>_inbox`, and `SELECT,
-//!   INSERT, UPDATE, DELETE` on `<table>_relays`;
+//! - a relay: `SELECT, UPDATE, DELETE` on `<table>` and `<table>_inbox`, `SELECT,
+//!   INSERT, UPDATE, DELETE` on `<table>_relays`, and `SELECT, UPDATE` on
+//!   `<table>_cursor`;
 //! - `migrate`: the right to create tables in the schema (and the schema itself for a
 //!   `schema.name` table).
 //!

@@ -35,6 +35,7 @@ statement! {
     /// Gauges of the table; the sent-rows index is named for its size estimate.
     pub(crate) struct StatsQuery {
         sent_index: Text = String,
+        logged_index: Text = String,
     }
 }
 
@@ -96,6 +97,11 @@ impl OpsStatements {
                  LIMIT {SENT_EXACT_LIMIT}) AS s) AS sent_counted,\n\
                  \x20   (SELECT greatest(reltuples, 0)::bigint FROM pg_class \
                  WHERE oid = to_regclass({sent_index})) AS sent_estimate,\n\
+                 \x20   (SELECT count(*) FROM (SELECT 1 FROM {t} o WHERE o.status = 'logged' \
+                 AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM {cursor} WHERE part = 0) AND {behind} \
+                 LIMIT {SENT_EXACT_LIMIT}) AS l) AS logged_counted,\n\
+                 \x20   (SELECT greatest(reltuples, 0)::bigint FROM pg_class \
+                 WHERE oid = to_regclass({logged_index})) - (SELECT count(*) FROM backlog) AS logged_estimate,\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'dead') AS dead,\n\
                  \x20   (SELECT (extract(epoch FROM now() - least(min(created_at), \
                  (SELECT min(created_at) FROM backlog))) * 1000000)::bigint \
@@ -103,6 +109,7 @@ impl OpsStatements {
                  \x20   (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint \
                  FROM {relays} WHERE expires_at > now()) AS blocked_us",
                 sent_index = StatsQuery::sent_index,
+                logged_index = StatsQuery::logged_index,
                 behind = behind(&cursor),
             )),
             redrive: Sql::new(format!(
@@ -163,8 +170,8 @@ pub struct Stats {
     pub in_flight: u64,
     /// Sent rows still in the table (until purged). Exact up to 100,000; beyond that
     /// PostgreSQL's estimate for the sent-rows index (refreshed by autovacuum and ANALYZE),
-    /// flagged by [`Stats::sent_is_estimate`]. The log engine's rows its cursor has passed
-    /// are not among them: they are never written after enqueue.
+    /// flagged by [`Stats::sent_is_estimate`]. On the log engine the log's rows its cursor
+    /// has passed count too (the same way, the log's index standing for the sent-rows one).
     pub sent: u64,
     /// True when [`Stats::sent`] is an estimate.
     pub sent_is_estimate: bool,
@@ -247,6 +254,10 @@ struct StatsRow {
     #[diesel(sql_type = Nullable<BigInt>)]
     sent_estimate: Option<i64>,
     #[diesel(sql_type = BigInt)]
+    logged_counted: i64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    logged_estimate: Option<i64>,
+    #[diesel(sql_type = BigInt)]
     dead: i64,
     #[diesel(sql_type = Nullable<BigInt>)]
     lag_us: Option<i64>,
@@ -272,6 +283,7 @@ impl Outbox {
         use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
         let query = self.statements().ops.stats.bind(StatsQuery {
             sent_index: self.inner.table.quoted_with("_sent_idx"),
+            logged_index: self.inner.table.quoted_with("_logged_idx"),
         });
         AnsiTransactionManager::begin_transaction(conn)
             .await
@@ -284,14 +296,20 @@ impl Outbox {
         let row = row.map_err(|e| self.db_error(e))?;
         rolled_back.map_err(|e| self.db_error(e))?;
         let count = |n: i64| u64::try_from(n).unwrap_or(0);
-        let (sent, sent_is_estimate) = if row.sent_counted < SENT_EXACT_LIMIT {
-            (count(row.sent_counted), false)
-        } else {
-            (
-                count(row.sent_counted.max(row.sent_estimate.unwrap_or(0))),
-                true,
-            )
+        // Each part exact below the limit, else the larger of the limit and the estimate.
+        let part = |counted: i64, estimate: Option<i64>| {
+            if counted < SENT_EXACT_LIMIT {
+                (count(counted), false)
+            } else {
+                (count(counted.max(estimate.unwrap_or(0))), true)
+            }
         };
+        let (sent_rows, sent_rows_estimated) = part(row.sent_counted, row.sent_estimate);
+        let (passed, passed_estimated) = part(row.logged_counted, row.logged_estimate);
+        let (sent, sent_is_estimate) = (
+            sent_rows.saturating_add(passed),
+            sent_rows_estimated || passed_estimated,
+        );
         Ok(Stats {
             pending: count(row.pending),
             in_flight: count(row.in_flight),

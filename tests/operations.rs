@@ -324,3 +324,59 @@ async fn purge_inbox_removes_only_old_records() {
         "kept"
     );
 }
+
+/// On the log engine: `stats` counts the log's rows the cursor has not passed as pending
+/// (and in the lag), those it has passed as sent; retention purges only passed rows
+/// enqueued longer ago than the age.
+#[tokio::test]
+async fn on_the_log_engine_stats_and_purge_go_by_the_cursor() {
+    let mut f = common::fixture().await;
+    Outbox::builder()
+        .table(f.outbox.table())
+        .engine(diesel_outbox::Engine::Log)
+        .build()
+        .unwrap()
+        .migrate(&mut f.conn)
+        .await
+        .unwrap();
+    for i in 0..30 {
+        f.enqueue(Message::new("t", "x").key(format!("passed{i}")))
+            .await;
+    }
+    let relay = f
+        .outbox
+        .relay(
+            f.pool.clone(),
+            diesel_outbox::publisher_fn(|_| async { Ok(()) }),
+        )
+        .build()
+        .unwrap();
+    while relay.run_once().await.unwrap() > 0 {}
+    for i in 0..5 {
+        f.enqueue(Message::new("t", "x").key(format!("waiting{i}")))
+            .await;
+    }
+    let t = f.outbox.table().to_owned();
+    f.conn
+        .batch_execute(&format!(
+            "UPDATE {t} SET created_at = now() - interval '2 days' \
+             WHERE idempotency_key IN ('passed0', 'passed1', 'passed2', 'waiting0')"
+        ))
+        .await
+        .unwrap();
+    let stats = f.outbox.stats(&mut f.conn).await.unwrap();
+    assert_eq!((stats.pending, stats.sent), (5, 30), "{stats:?}");
+    let lag = stats.oldest_pending.expect("a lag");
+    assert!(lag > Duration::from_secs(86_400), "{lag:?}");
+
+    let purged = f
+        .outbox
+        .purge_sent(&mut f.conn, Duration::from_secs(86_400))
+        .await
+        .unwrap();
+    assert_eq!(purged, 3, "only the old rows the cursor passed");
+    assert_eq!(f.count("idempotency_key LIKE 'passed%'").await, 27);
+    assert_eq!(f.count("idempotency_key LIKE 'waiting%'").await, 5);
+    let stats = f.outbox.stats(&mut f.conn).await.unwrap();
+    assert_eq!((stats.pending, stats.sent), (5, 27), "{stats:?}");
+}

@@ -66,7 +66,7 @@ pub(crate) async fn after_outage(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let resumed = env
         .wait_until(
             &outbox,
-            "EXISTS (SELECT 1 FROM {t} WHERE status = 'sent')",
+            "EXISTS (SELECT 1 FROM {rows} WHERE status = 'sent')",
             Duration::from_secs(120),
         )
         .await?;

@@ -31,6 +31,8 @@ pub(crate) struct Env {
     pub(crate) amqp: Connection,
     pub(crate) channel: Channel,
     pub(crate) quick: bool,
+    /// The engine every table of the scenarios is migrated to.
+    pub(crate) engine: diesel_outbox::Engine,
 }
 
 impl Env {
@@ -46,7 +48,12 @@ impl Env {
 
     pub(crate) async fn outbox(&mut self, name: &str) -> BoxResult<Outbox> {
         let outbox = Outbox::builder()
-            .table(format!("{}.{name}", self.schema))
+            .table(format!(
+                "{}.{name}_{}",
+                self.schema,
+                self.engine.name().replace('-', "_")
+            ))
+            .engine(self.engine)
             .build()?;
         outbox.migrate(&mut self.conn).await?;
         Ok(outbox)
@@ -259,9 +266,15 @@ impl Env {
         outbox: &Outbox,
         limit: Duration,
     ) -> BoxResult<Instant> {
+        // On the log engine also: the cursor at its tick's end, and no row of the log
+        // committed past the tick (both through the cursor, so the poll stays cheap).
         self.wait_until(
             outbox,
-            "NOT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending')",
+            "NOT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending') \
+             AND coalesce((SELECT after >= ceiling FROM {t}_cursor WHERE part = 0), true) \
+             AND NOT EXISTS (SELECT 1 FROM {t} o WHERE o.status = 'logged' \
+             AND (o.xid >= (SELECT pg_snapshot_xmax(hi) FROM {t}_cursor WHERE part = 0) \
+             OR o.xid = ANY(ARRAY(SELECT pg_snapshot_xip(hi) FROM {t}_cursor WHERE part = 0))))",
             limit,
         )
         .await
@@ -276,7 +289,7 @@ impl Env {
         }
         let sql = format!(
             "SELECT count(*) AS n FROM {} WHERE {condition}",
-            outbox.table()
+            crate::common::rows_of(outbox.table())
         );
         Ok(diesel::sql_query(&sql)
             .get_result::<Count>(&mut self.conn)
@@ -284,7 +297,8 @@ impl Env {
             .n)
     }
 
-    /// Polls every 10 ms until `condition` (SQL, with `{t}` for the table) holds; returns
+    /// Polls every 10 ms until `condition` (SQL, with `{t}` for the table, `{rows}` for its
+    /// rows as `common::rows_of` reads them on either engine) holds; returns
     /// when it first did.
     pub(crate) async fn wait_until(
         &mut self,
@@ -299,7 +313,9 @@ impl Env {
         }
         let sql = format!(
             "SELECT {} AS holds",
-            condition.replace("{t}", outbox.table())
+            condition
+                .replace("{rows}", &crate::common::rows_of(outbox.table()))
+                .replace("{t}", outbox.table())
         );
         let deadline = Instant::now() + limit;
         loop {

@@ -5,6 +5,7 @@
 //! cargo bench --bench outbox --features cli -- --quick   # smaller, under a minute
 //! cargo bench --bench outbox --features cli -- --only throughput,writers   # or a,c
 //! cargo bench --bench outbox --features cli -- --only a --sslmode require  # over TLS
+//! cargo bench --bench outbox --features cli -- --engine per-row,log   # both engines
 //! ```
 //!
 //! One file per scenario, named by what it measures; `fixture` holds what they run on and
@@ -54,6 +55,10 @@ struct Args {
     /// baselines' alike (default: the URL's own, else `disable`); `require` measures over TLS.
     #[arg(long, value_parser = ["disable", "prefer", "require"])]
     sslmode: Option<String>,
+    /// The engines to measure, one after the other in this run, every scenario on each
+    /// (`per-row`, `log`; default `per-row`).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(diesel_outbox::Engine))]
+    engine: Vec<diesel_outbox::Engine>,
     /// Ignored (cargo bench passes it).
     #[arg(long, hide = true)]
     bench: bool,
@@ -98,6 +103,14 @@ enum Scenario {
 }
 
 /// One measured figure beside its same-run baseline.
+/// The engine the scenario being measured runs on, for the figures' lines.
+static ENGINE: std::sync::Mutex<diesel_outbox::Engine> =
+    std::sync::Mutex::new(diesel_outbox::Engine::PerRow);
+
+fn engine() -> diesel_outbox::Engine {
+    *ENGINE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub(crate) struct Figure {
     pub(crate) name: &'static str,
     pub(crate) value: f64,
@@ -115,6 +128,7 @@ impl Figure {
     pub(crate) fn emit(&self) {
         let line = json!({
             "name": self.name,
+            "engine": engine().name(),
             "value": round(self.value),
             "unit": self.unit,
             "baseline_name": self.baseline.map(|b| b.0),
@@ -176,43 +190,55 @@ async fn main() -> BoxResult<()> {
         amqp,
         channel,
         quick: args.quick,
+        engine: diesel_outbox::Engine::PerRow,
+    };
+    let engines = if args.engine.is_empty() {
+        vec![diesel_outbox::Engine::PerRow]
+    } else {
+        args.engine.clone()
     };
     let run = |s: Scenario| args.only.is_empty() || args.only.contains(&s);
     let started = Instant::now();
     let mut figures = Vec::new();
     let result = async {
-        if run(Scenario::Throughput) {
-            figures.extend(throughput::throughput(&mut env).await?);
-        }
-        if run(Scenario::EnqueueCost) {
-            figures.extend(enqueue_cost::enqueue_cost(&mut env).await?);
-        }
-        if run(Scenario::Writers) {
-            figures.push(writers::writers(&mut env).await?);
-        }
-        if run(Scenario::Latency) {
-            figures.extend(latency::latency(&mut env).await?);
-        }
-        if run(Scenario::OneAggregate) {
-            figures.extend(one_aggregate::one_aggregate(&mut env).await?);
-        }
-        if run(Scenario::History) {
-            figures.push(history::history(&mut env).await?);
-        }
-        if run(Scenario::ManyAggregates) {
-            figures.extend(many_aggregates::many_aggregates(&mut env).await?);
-        }
-        if run(Scenario::AfterOutage) {
-            figures.extend(after_outage::after_outage(&mut env).await?);
-        }
-        if run(Scenario::Consumer) {
-            figures.extend(consumer::consumer(&mut env).await?);
-        }
-        if run(Scenario::Jetstream) {
-            figures.extend(jetstream::jetstream(&mut env).await?);
-        }
-        if run(Scenario::Kafka) {
-            figures.extend(kafka::kafka(&mut env).await?);
+        for engine in &engines {
+            *ENGINE.lock().unwrap_or_else(|e| e.into_inner()) = *engine;
+            env.engine = *engine;
+            let mut found: Vec<Figure> = Vec::new();
+            if run(Scenario::Throughput) {
+                found.extend(throughput::throughput(&mut env).await?);
+            }
+            if run(Scenario::EnqueueCost) {
+                found.extend(enqueue_cost::enqueue_cost(&mut env).await?);
+            }
+            if run(Scenario::Writers) {
+                found.push(writers::writers(&mut env).await?);
+            }
+            if run(Scenario::Latency) {
+                found.extend(latency::latency(&mut env).await?);
+            }
+            if run(Scenario::OneAggregate) {
+                found.extend(one_aggregate::one_aggregate(&mut env).await?);
+            }
+            if run(Scenario::History) {
+                found.push(history::history(&mut env).await?);
+            }
+            if run(Scenario::ManyAggregates) {
+                found.extend(many_aggregates::many_aggregates(&mut env).await?);
+            }
+            if run(Scenario::AfterOutage) {
+                found.extend(after_outage::after_outage(&mut env).await?);
+            }
+            if run(Scenario::Consumer) {
+                found.extend(consumer::consumer(&mut env).await?);
+            }
+            if run(Scenario::Jetstream) {
+                found.extend(jetstream::jetstream(&mut env).await?);
+            }
+            if run(Scenario::Kafka) {
+                found.extend(kafka::kafka(&mut env).await?);
+            }
+            figures.extend(found.into_iter().map(|f| (*engine, f)));
         }
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     }
@@ -223,10 +249,11 @@ async fn main() -> BoxResult<()> {
     let mut table = Table::new();
     table
         .load_preset(UTF8_FULL_CONDENSED)
-        .set_header(["figure", "value", "baseline", "ratio", "target"]);
-    for f in &figures {
+        .set_header(["figure", "engine", "value", "baseline", "ratio", "target"]);
+    for (engine, f) in &figures {
         table.add_row([
             f.name.to_owned(),
+            engine.name().to_owned(),
             format!("{:.2} {}", f.value, f.unit),
             f.baseline
                 .map_or("-".into(), |(n, v)| format!("{v:.2} {} ({n})", f.unit)),

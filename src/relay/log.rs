@@ -656,6 +656,13 @@ impl Log {
         if !earlier.is_empty() {
             self.wait_finished(|s| earlier.iter().all(|e| !s.in_flight.contains_key(e)))
                 .await;
+            if self.state().generation != generation {
+                // An earlier page was cut short (an outage): its unfinished messages are
+                // read again, and this page's of their aggregates must not go first.
+                page.done = true;
+                self.mark_finished(seq, false);
+                return Ok(None);
+            }
         }
         let mut conn = crate::checkout(&self.pool).await?;
         let behind: HashSet<String> = if aggregates.is_empty() {
@@ -875,14 +882,15 @@ impl Page {
     /// prefix whose every message is confirmed or handed over, and hands those over, in one
     /// transaction. `outage` says the broker was out of reach (a page cut short by an
     /// outage costs no attempt). Retries until `by`; a finish that cannot be made leaves
-    /// the cursor where it is, and the page is read again.
+    /// the cursor where it is, and the page is read again. Returns how many outcomes were
+    /// discarded because another relay took the cursor over.
     pub(crate) async fn finish(
         mut self,
         outcomes: Vec<Outcome>,
         outage: bool,
         by: Instant,
         stop: watch::Receiver<bool>,
-    ) {
+    ) -> usize {
         let log = self.shared.clone();
         let seq = self.seq;
         log.wait_finished(|s| s.in_flight.keys().all(|k| *k >= seq))
@@ -891,7 +899,7 @@ impl Page {
         if !current {
             self.done = true;
             log.mark_finished(seq, false);
-            return;
+            return 0;
         }
         let mut by_id: HashMap<i64, Outcome> = outcomes.into_iter().map(|o| (o.id, o)).collect();
         for handed in std::mem::take(&mut self.handed) {
@@ -965,14 +973,12 @@ impl Page {
                     }
                 }
                 log.mark_finished(seq, cut);
+                0
             }
             Some(false) => {
-                tracing::warn!(
-                    table = %log.outbox.table(), rows = self.rows.len(),
-                    "page outcomes discarded: another relay took the log's cursor over"
-                );
                 log.state().held = None;
                 log.mark_finished(seq, true);
+                self.rows.len()
             }
             None => {
                 tracing::error!(
@@ -981,6 +987,7 @@ impl Page {
                 );
                 log.state().held = None;
                 log.mark_finished(seq, true);
+                0
             }
         }
     }

@@ -239,13 +239,22 @@ impl<P: Publisher> Outcomes<P> {
         }
         if let Some(page) = self.page.take() {
             let outage = self.relay.inner.outage.since().is_some();
-            page.finish(
-                std::mem::take(&mut self.log),
-                outage,
-                self.record_by,
-                self.stop.clone(),
-            )
-            .await;
+            let fenced = page
+                .finish(
+                    std::mem::take(&mut self.log),
+                    outage,
+                    self.record_by,
+                    self.stop.clone(),
+                )
+                .await;
+            if fenced > 0 {
+                let inner = &self.relay.inner;
+                tracing::warn!(
+                    table = %inner.outbox.table(), fenced,
+                    "page outcomes discarded: another relay took the log's cursor over"
+                );
+                inner.metrics.fenced(fenced);
+            }
         }
     }
 }

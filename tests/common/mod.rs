@@ -300,11 +300,13 @@ impl Fixture {
     }
 
     /// Makes every row pending again, as after a crash between the broker's confirm and
-    /// the outcome's commit: the relay publishes everything a second time.
+    /// the outcome's commit: the relay publishes everything a second time (a row of the
+    /// log, published once, on its second attempt as a per-row one would be).
     pub async fn republish_all(&mut self) {
         self.conn
             .batch_execute(&format!(
-                "UPDATE {} SET status = 'pending', available_at = now(), sent_at = NULL",
+                "UPDATE {} SET status = 'pending', available_at = now(), sent_at = NULL, \
+                 attempts = CASE WHEN status = 'logged' THEN 1 ELSE attempts END",
                 self.outbox.table()
             ))
             .await

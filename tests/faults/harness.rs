@@ -53,6 +53,7 @@ impl Db {
     pub(crate) async fn create(url: String, schema: &str, aggregates: usize) -> Db {
         let outbox = Outbox::builder()
             .table(format!("{schema}.outbox"))
+            .engine(crate::common::engine())
             .build()
             .unwrap();
         let db = Db {
@@ -269,6 +270,25 @@ impl Relays {
                 }
             }
         }
+    }
+
+    /// On the log engine: how often a relay took the log's cursor over from another (its
+    /// token past the first), as the relays logged it. A relay paused beyond its lease that
+    /// held the cursor is fenced so, whether or not it then had outcomes to discard.
+    pub(crate) fn cursor_takeovers(&self) -> usize {
+        let mut total = 0;
+        for entry in std::fs::read_dir(&self.logs).unwrap().flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            total += text
+                .lines()
+                .filter(|l| l.contains("took the log's cursor"))
+                .filter_map(|l| l.split("token=").nth(1))
+                .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+                .filter_map(|n| n.parse::<u64>().ok())
+                .filter(|token| *token >= 2)
+                .count();
+        }
+        total
     }
 
     /// Outcomes discarded by fencing, as the relays logged them.
@@ -608,7 +628,8 @@ pub(crate) async fn check(run: Run<'_>) -> usize {
         "SELECT count(*) FILTER (WHERE status = 'sent') AS sent, \
          count(*) FILTER (WHERE status <> 'sent') AS other, \
          count(*) FILTER (WHERE lease_until > now()) AS leased, \
-         coalesce(max(attempts), 0) AS max_attempts FROM {table}"
+         coalesce(max(attempts), 0) AS max_attempts FROM {rows}",
+        rows = crate::common::rows_of(&table),
     ))
     .get_result(&mut conn)
     .await
@@ -682,7 +703,8 @@ pub(crate) async fn check(run: Run<'_>) -> usize {
         status: String,
     }
     let unsent: Vec<Unsent> = diesel::sql_query(format!(
-        "SELECT idempotency_key AS key, status FROM {table} WHERE status <> 'sent'"
+        "SELECT idempotency_key AS key, status FROM {rows} WHERE status <> 'sent'",
+        rows = crate::common::rows_of(&table),
     ))
     .load(&mut conn)
     .await

@@ -227,6 +227,8 @@ SELECT
     (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'pending' AND lease_until > now()) AS in_flight,
     (SELECT count(*) FROM (SELECT 1 FROM "sales"."orders_outbox" WHERE status = 'sent' LIMIT 100000) AS s) AS sent_counted,
     (SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)) AS sent_estimate,
+    (SELECT count(*) FROM (SELECT 1 FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM "sales"."orders_outbox_cursor" WHERE part = 0) AND (pg_visible_in_snapshot(o.xid, (SELECT lo FROM "sales"."orders_outbox_cursor" WHERE part = 0)) OR (pg_visible_in_snapshot(o.xid, (SELECT hi FROM "sales"."orders_outbox_cursor" WHERE part = 0)) AND o.id <= (SELECT after FROM "sales"."orders_outbox_cursor" WHERE part = 0))) LIMIT 100000) AS l) AS logged_counted,
+    (SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($2)) - (SELECT count(*) FROM backlog) AS logged_estimate,
     (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'dead') AS dead,
     (SELECT (extract(epoch FROM now() - least(min(created_at), (SELECT min(created_at) FROM backlog))) * 1000000)::bigint FROM "sales"."orders_outbox" WHERE status = 'pending' AND available_at <= now()) AS lag_us,
     (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint FROM "sales"."orders_outbox_relays" WHERE expires_at > now()) AS blocked_us;
