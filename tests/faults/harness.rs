@@ -629,7 +629,7 @@ pub(crate) async fn check(run: Run<'_>) -> usize {
          count(*) FILTER (WHERE status <> 'sent') AS other, \
          count(*) FILTER (WHERE lease_until > now()) AS leased, \
          coalesce(max(attempts), 0) AS max_attempts FROM {rows}",
-        rows = crate::common::rows_of(&table),
+        rows = crate::common::rows_of(table),
     ))
     .get_result(&mut conn)
     .await
@@ -704,7 +704,7 @@ pub(crate) async fn check(run: Run<'_>) -> usize {
     }
     let unsent: Vec<Unsent> = diesel::sql_query(format!(
         "SELECT idempotency_key AS key, status FROM {rows} WHERE status <> 'sent'",
-        rows = crate::common::rows_of(&table),
+        rows = crate::common::rows_of(table),
     ))
     .load(&mut conn)
     .await
