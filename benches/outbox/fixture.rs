@@ -46,14 +46,25 @@ impl Env {
         Cpu::start(relay, self.conn_backend)
     }
 
+    /// A fresh outbox table of this run, on the engine being measured.
     pub(crate) async fn outbox(&mut self, name: &str) -> BoxResult<Outbox> {
+        self.outbox_on(name, self.engine).await
+    }
+
+    /// A fresh outbox table of this run on `engine`, whatever is being measured (for the
+    /// baselines that stand for the per-row engine).
+    pub(crate) async fn outbox_on(
+        &mut self,
+        name: &str,
+        engine: diesel_outbox::Engine,
+    ) -> BoxResult<Outbox> {
         let outbox = Outbox::builder()
             .table(format!(
                 "{}.{name}_{}",
                 self.schema,
                 self.engine.name().replace('-', "_")
             ))
-            .engine(self.engine)
+            .engine(engine)
             .build()?;
         outbox.migrate(&mut self.conn).await?;
         Ok(outbox)

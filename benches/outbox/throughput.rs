@@ -66,7 +66,8 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     env.purge(&queue).await?;
 
     // The bare loop: claim a batch and mark it sent, over as many rows, no broker.
-    let bare = env.outbox("bare").await?;
+    // On the per-row engine whatever is measured: it is the per-row bookkeeping's floor.
+    let bare = env.outbox_on("bare", diesel_outbox::Engine::PerRow).await?;
     env.fill(&bare, n, Keys::Unordered).await?;
     env.conn.batch_execute("CHECKPOINT").await?;
     let bare_claim = format!(
@@ -113,7 +114,9 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let bare_cpu = bare_window.used(n);
 
     // The naive relay: claim one row, publish, await the confirm, mark it sent.
-    let naive = env.outbox("naive").await?;
+    let naive = env
+        .outbox_on("naive", diesel_outbox::Engine::PerRow)
+        .await?;
     env.fill(&naive, naive_n, Keys::Unordered).await?;
     let naive_channel = env.amqp.create_channel().await?;
     naive_channel
@@ -190,7 +193,10 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
                 "bare claim + mark-sent loop, per row",
                 bare_cpu.us[POSTGRES],
             )),
-            target: "<= 1.30 x",
+            target: match env.engine {
+                diesel_outbox::Engine::Log => "<= 0.35 x",
+                _ => "<= 1.30 x",
+            },
             params: params.clone(),
         },
         Figure {

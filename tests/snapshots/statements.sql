@@ -355,7 +355,7 @@ RETURNING c.lo::text AS lo, c.hi::text AS hi, c.ceiling, c.after, c.tick, c.page
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
         SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
-        FROM "sales"."orders_outbox" o WHERE o.id > $1 AND o.id <= $2 AND o.status = 'logged'
+        FROM "sales"."orders_outbox" o WHERE o.id > $1 AND o.id <= $2 AND (o.status || '') = 'logged'
         AND pg_visible_in_snapshot(o.xid, $4::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot)
         ORDER BY o.id LIMIT $5
     ) AS p
