@@ -6,7 +6,7 @@ use std::str::FromStr;
 use crate::error::{Error, Result};
 
 /// How relays keep track of what they have published: a table's choice, made by
-/// [`Outbox::migrate`] when the `Outbox` was built with
+/// [`Outbox::migrate`](crate::Outbox::migrate) when the `Outbox` was built with
 /// [`OutboxBuilder::engine`](crate::OutboxBuilder::engine).
 ///
 /// Both engines keep every guarantee of the crate (at least once, fencing, per-aggregate
