@@ -2,9 +2,13 @@
 //! racing work against it, and background tasks that end with their owner.
 
 use std::future::Future;
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::backoff::Backoff;
 
 /// Completes once `stop` turns true (or its sender is gone).
 pub(crate) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
@@ -22,6 +26,51 @@ pub(crate) async fn or_stop<T>(
     tokio::select! {
         out = work => Some(out),
         () = until_stopped(&mut stop) => None,
+    }
+}
+
+/// Runs `attempt` again after each failure (`failed` is told the error and its number,
+/// backoff 50 ms to 1 s) until it succeeds; gives up (`None`) once `by` has passed, or
+/// `grace` after `stop` turns true. A deadline already past (its work was paused, say)
+/// still gets `grace`: one try at least. For the relay's bookkeeping writes, whose loss
+/// costs duplicates but never a message.
+pub(crate) async fn retry_until<T, E, Fut>(
+    by: Instant,
+    grace: Duration,
+    stop: Option<watch::Receiver<bool>>,
+    mut attempt: impl FnMut() -> Fut,
+    failed: impl Fn(&E, u32),
+) -> Option<T>
+where
+    Fut: Future<Output = Result<T, E>>,
+{
+    let attempts = async {
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        let mut n = 0u32;
+        loop {
+            n += 1;
+            match attempt().await {
+                Ok(done) => return done,
+                Err(e) => {
+                    failed(&e, n);
+                    tokio::time::sleep(backoff.failed()).await;
+                }
+            }
+        }
+    };
+    let shutdown = async {
+        match stop {
+            Some(mut stop) => {
+                until_stopped(&mut stop).await;
+                tokio::time::sleep(grace).await;
+            }
+            None => std::future::pending().await,
+        }
+    };
+    let by = by.max(Instant::now() + grace);
+    tokio::select! {
+        done = tokio::time::timeout_at(by, attempts) => done.ok(),
+        () = shutdown => None,
     }
 }
 

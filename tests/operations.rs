@@ -331,14 +331,7 @@ async fn purge_inbox_removes_only_old_records() {
 #[tokio::test]
 async fn on_the_log_engine_stats_and_purge_go_by_the_cursor() {
     let mut f = common::fixture().await;
-    Outbox::builder()
-        .table(f.outbox.table())
-        .engine(diesel_outbox::Engine::Log)
-        .build()
-        .unwrap()
-        .migrate(&mut f.conn)
-        .await
-        .unwrap();
+    f.move_to(diesel_outbox::Engine::Log).await;
     for i in 0..30 {
         f.enqueue(Message::new("t", "x").key(format!("passed{i}")))
             .await;

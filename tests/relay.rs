@@ -2134,14 +2134,7 @@ async fn a_backlog_half_drained_on_one_engine_finishes_on_the_other() {
     use diesel_outbox::Engine;
     for (first, second) in [(Engine::PerRow, Engine::Log), (Engine::Log, Engine::PerRow)] {
         let mut f = fixture().await;
-        let on = |engine| {
-            Outbox::builder()
-                .table(f.outbox.table())
-                .engine(engine)
-                .build()
-                .unwrap()
-        };
-        on(first).migrate(&mut f.conn).await.unwrap();
+        f.move_to(first).await;
         assert_eq!(f.outbox.engine(&mut f.conn).await.unwrap(), first);
         let messages = interleaved(10, 20);
         f.outbox
@@ -2159,7 +2152,7 @@ async fn a_backlog_half_drained_on_one_engine_finishes_on_the_other() {
         let halfway = recorder.len();
         assert!((1..200).contains(&halfway), "{first}: {halfway} published");
 
-        on(second).migrate(&mut f.conn).await.unwrap();
+        f.move_to(second).await;
         assert_eq!(f.outbox.engine(&mut f.conn).await.unwrap(), second);
         // Written after the move: the other engine's rows.
         let late: Vec<Message> = (20..25)
@@ -2204,14 +2197,7 @@ async fn a_backlog_half_drained_on_one_engine_finishes_on_the_other() {
 #[tokio::test]
 async fn a_relay_whose_cursor_was_taken_over_moves_nothing() {
     let mut f = fixture().await;
-    Outbox::builder()
-        .table(f.outbox.table())
-        .engine(diesel_outbox::Engine::Log)
-        .build()
-        .unwrap()
-        .migrate(&mut f.conn)
-        .await
-        .unwrap();
+    f.move_to(diesel_outbox::Engine::Log).await;
     for i in 0..5 {
         f.enqueue(Message::new("t", "x").key(format!("k{i}"))).await;
     }
@@ -2279,14 +2265,7 @@ async fn a_relay_whose_cursor_was_taken_over_moves_nothing() {
 #[tokio::test]
 async fn a_page_of_the_log_reads_in_proportion_to_its_rows() {
     let mut f = fixture().await;
-    Outbox::builder()
-        .table(f.outbox.table())
-        .engine(diesel_outbox::Engine::Log)
-        .build()
-        .unwrap()
-        .migrate(&mut f.conn)
-        .await
-        .unwrap();
+    f.move_to(diesel_outbox::Engine::Log).await;
     let t = f.outbox.table().to_owned();
     // 5,000 rows the cursor will have passed, then a backlog of 5,000.
     let insert = |prefix: &str| {
@@ -2308,11 +2287,6 @@ async fn a_page_of_the_log_reads_in_proportion_to_its_rows() {
         .unwrap();
     while relay.run_once().await.unwrap() > 0 {}
     assert_eq!(f.count("status = 'sent'").await, 5000);
-    // That relay is done: its lease lapses, for the next one to take.
-    f.conn
-        .batch_execute(&format!("UPDATE {t}_cursor SET lease_until = now()"))
-        .await
-        .unwrap();
     f.conn.batch_execute(&insert("new")).await.unwrap();
     let small = f
         .outbox

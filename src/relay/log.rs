@@ -16,9 +16,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
-use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Nullable, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -26,12 +25,13 @@ use tokio::time::Instant;
 use super::PgPool;
 use super::options::Options;
 use super::outcome::{
-    CLAIM_PLAN, Claimed, OUTCOME_DEAD, OUTCOME_MOVE, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT,
-    Outcome,
+    CLAIM_PLAN, Claimed, MessageColumns, OUTCOME_DEAD, OUTCOME_MOVE, OUTCOME_RELEASE,
+    OUTCOME_RETRY, OUTCOME_SENT, Outcome,
 };
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Record;
+use crate::shutdown::retry_until;
 use crate::sql::{Sql, TableName, micros, statement};
 
 /// How long a relay that found no cursor it could take (the table is on the per-row
@@ -214,8 +214,7 @@ impl LogStatements {
             )),
             advance: Sql::new(format!(
                 "UPDATE {cursor} SET after = {to}, page_attempts = {attempts}, lease_until = {until}\n\
-                 WHERE part = 0 AND token = {token} AND tick = {tick} AND after = {from}\n\
-                 RETURNING after",
+                 WHERE part = 0 AND token = {token} AND tick = {tick} AND after = {from}",
                 to = Advance::to,
                 attempts = Advance::page_attempts,
                 until = lease(&Advance::lease_us),
@@ -311,22 +310,8 @@ struct CursorRow {
 
 #[derive(QueryableByName)]
 struct PageRow {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-    #[diesel(sql_type = Text)]
-    key: String,
-    #[diesel(sql_type = Text)]
-    topic: String,
-    #[diesel(sql_type = Nullable<Text>)]
-    aggregate_key: Option<String>,
-    #[diesel(sql_type = Bytea)]
-    payload: Vec<u8>,
-    #[diesel(sql_type = Nullable<Text>)]
-    content_type: Option<String>,
-    #[diesel(sql_type = Text)]
-    headers: String,
-    #[diesel(sql_type = Nullable<Timestamptz>)]
-    created_at: Option<DateTime<Utc>>,
+    #[diesel(embed)]
+    message: MessageColumns,
     #[diesel(sql_type = Bool)]
     delayed: bool,
     #[diesel(sql_type = BigInt)]
@@ -337,13 +322,6 @@ struct PageRow {
 struct KeyRow {
     #[diesel(sql_type = Text)]
     key: String,
-}
-
-#[derive(QueryableByName)]
-struct AfterRow {
-    #[diesel(sql_type = BigInt)]
-    #[allow(dead_code)] // returned to tell a moved cursor from a fenced one
-    after: i64,
 }
 
 #[derive(QueryableByName)]
@@ -591,12 +569,12 @@ impl Log {
                 page_attempts: held.row.page_attempts,
                 lease_us: micros(options.lease),
             });
-            let moved: Vec<AfterRow> = advance
-                .load(&mut conn)
+            let moved = advance
+                .execute(&mut conn)
                 .await
                 .map_err(|e| self.outbox.db_error(e))?;
             let mut state = self.state();
-            if moved.is_empty() {
+            if moved == 0 {
                 state.held = None;
                 state.generation += 1;
             } else if let Some(h) = &mut state.held
@@ -611,11 +589,11 @@ impl Log {
         let to = if tick_end {
             held.row.ceiling
         } else {
-            rows.last().map_or(from, |r| r.id)
+            rows.last().map_or(from, |r| r.message.id)
         };
         let aggregates: HashSet<String> = rows
             .iter()
-            .filter_map(|r| r.aggregate_key.clone())
+            .filter_map(|r| r.message.aggregate_key.clone())
             .collect();
         // Earlier pages still in flight with messages of these aggregates: their outcomes
         // (a hand-over, say) decide what happens to this page's.
@@ -650,7 +628,7 @@ impl Log {
             to,
             rows: rows
                 .iter()
-                .map(|r| (r.id, r.aggregate_key.clone()))
+                .map(|r| (r.message.id, r.message.aggregate_key.clone()))
                 .collect(),
             handed: Vec::new(),
             done: false,
@@ -699,26 +677,13 @@ impl Log {
         let mut bad = Vec::new();
         for row in rows {
             let moved_behind = row
+                .message
                 .aggregate_key
                 .as_ref()
                 .is_some_and(|a| moved_aggregates.contains(a));
-            let (headers, created_at, undecodable) =
-                match super::outcome::decode(row.created_at, &row.headers) {
-                    Ok((h, c)) => (h, c, None),
-                    Err(why) => (Default::default(), DateTime::UNIX_EPOCH, Some(why)),
-                };
-            let record = Record {
-                id: row.id,
-                key: row.key,
-                topic: row.topic,
-                aggregate_key: row.aggregate_key,
-                payload: row.payload,
-                content_type: row.content_type,
-                headers,
-                attempt,
-                created_at,
-            };
-            if exhausted || row.delayed || moved_behind {
+            let delayed = row.delayed;
+            let (record, undecodable) = row.message.record(attempt);
+            if exhausted || delayed || moved_behind {
                 if let Some(a) = &record.aggregate_key {
                     moved_aggregates.insert(a.clone());
                 }
@@ -1003,37 +968,23 @@ impl Page {
         page_attempts: i32,
         hand_over: &[Outcome],
         by: Instant,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) -> Option<bool> {
         let log = &self.shared;
-        let mut backoff =
-            crate::backoff::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-        let by = by.max(Instant::now() + super::limits::RECORD_GRACE);
-        let attempts = async {
-            loop {
-                let attempt = async {
-                    let mut conn = crate::checkout(&log.pool).await?;
-                    self.advance_once(&mut conn, to, page_attempts, hand_over)
-                        .await
-                };
-                match attempt.await {
-                    Ok(moved) => return moved,
-                    Err(e) => {
-                        tracing::warn!(table = %log.outbox.table(), error = %e, "finishing a page failed; retrying");
-                        tokio::time::sleep(backoff.failed()).await;
-                    }
-                }
-            }
-        };
-        // Shutdown cuts the retries short, as for the per-row side's outcomes.
-        let shutdown = async {
-            crate::shutdown::until_stopped(&mut stop).await;
-            tokio::time::sleep(super::limits::RECORD_GRACE).await;
-        };
-        tokio::select! {
-            moved = tokio::time::timeout_at(by, attempts) => moved.ok(),
-            () = shutdown => None,
-        }
+        retry_until(
+            by,
+            super::limits::RECORD_GRACE,
+            Some(stop),
+            || async {
+                let mut conn = crate::checkout(&log.pool).await?;
+                self.advance_once(&mut conn, to, page_attempts, hand_over)
+                    .await
+            },
+            |e: &crate::Error, _| {
+                tracing::warn!(table = %log.outbox.table(), error = %e, "finishing a page failed; retrying");
+            },
+        )
+        .await
     }
 
     async fn advance_once(
@@ -1068,8 +1019,7 @@ impl Page {
         });
         conn.transaction(async move |c| {
             // The cursor first: two finishes never both hold a lock they must upgrade.
-            let moved: Vec<AfterRow> = advance.load(c).await?;
-            if moved.is_empty() {
+            if advance.execute(c).await? == 0 {
                 return Ok(false);
             }
             if let Some(hand) = hand {

@@ -324,11 +324,19 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Runs one cycle (claim, publish, record) and returns how many rows it claimed.
-    /// Needs no LISTEN connection and starts no janitor.
+    /// Needs no LISTEN connection and starts no janitor. On the log engine it holds the
+    /// log's cursor for the cycle only and gives it back at the end, as a run gives it back
+    /// at shutdown, so any relay may run the next cycle.
     ///
     /// # Errors
     /// A database or pool error, or [`Error::NotMigrated`](crate::Error::NotMigrated).
     pub async fn run_once(&self) -> Result<usize> {
+        let claimed = self.one_cycle().await;
+        self.inner.store.give_back().await;
+        claimed
+    }
+
+    async fn one_cycle(&self) -> Result<usize> {
         let batch = self.claim(None).await?;
         let claimed = batch.claimed();
         if claimed > 0 {

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Bytea, Nullable, Text, Timestamptz};
 
 use crate::publisher::Record;
 
@@ -104,8 +106,55 @@ impl Outcome {
 pub(crate) const CLAIM_PLAN: &str =
     "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
 
-/// The columns of a claimed row that rows written by other means can spoil.
-pub(crate) fn decode(
+/// The columns of a message row that both engines read and turn into a [`Record`].
+#[derive(QueryableByName)]
+pub(crate) struct MessageColumns {
+    #[diesel(sql_type = BigInt)]
+    pub(crate) id: i64,
+    #[diesel(sql_type = Text)]
+    key: String,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) aggregate_key: Option<String>,
+    #[diesel(sql_type = Bytea)]
+    payload: Vec<u8>,
+    #[diesel(sql_type = Nullable<Text>)]
+    content_type: Option<String>,
+    /// As text: a jsonb value serde cannot hold (`1e400`, deep nesting) must fail this row
+    /// alone, not the whole statement.
+    #[diesel(sql_type = Text)]
+    headers: String,
+    /// `NULL` when chrono cannot hold it (`infinity`, or beyond the year 9999).
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    created_at: Option<DateTime<Utc>>,
+}
+
+impl MessageColumns {
+    /// The row as a record on its `attempt`, and why it cannot be published when the
+    /// columns that rows written by other means can spoil do not decode (the record is
+    /// then still named by key and topic, for the dead letter).
+    pub(crate) fn record(self, attempt: u32) -> (Record, Option<String>) {
+        let (headers, created_at, undecodable) = match decode(self.created_at, &self.headers) {
+            Ok((headers, created_at)) => (headers, created_at, None),
+            Err(why) => (BTreeMap::new(), DateTime::UNIX_EPOCH, Some(why)),
+        };
+        let record = Record {
+            id: self.id,
+            key: self.key,
+            topic: self.topic,
+            aggregate_key: self.aggregate_key,
+            payload: self.payload,
+            content_type: self.content_type,
+            headers,
+            attempt,
+            created_at,
+        };
+        (record, undecodable)
+    }
+}
+
+fn decode(
     created_at: Option<DateTime<Utc>>,
     headers: &str,
 ) -> std::result::Result<(BTreeMap<String, String>, DateTime<Utc>), String> {

@@ -1,13 +1,11 @@
 //! The relay's side of the table: claim a batch, record its outcomes.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use diesel::QueryResult;
 use diesel::QueryableByName;
 use diesel::pg::Pg;
-use diesel::sql_types::{Array, BigInt, Bool, Bytea, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Nullable, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use tokio::time::Instant;
 
@@ -19,17 +17,16 @@ use super::limits::RECORD_GRACE;
 use super::log::{Log, Page};
 use super::options::Options;
 use super::outcome::{
-    CLAIM_PLAN, Claimed, OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT, Outcome,
-    decode,
+    CLAIM_PLAN, Claimed, MessageColumns, OUTCOME_DEAD, OUTCOME_RELEASE, OUTCOME_RETRY,
+    OUTCOME_SENT, Outcome,
 };
 use super::{PgPool, Relay};
-use crate::backoff::Backoff;
 use crate::error::Error;
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publisher::Publisher;
 use crate::publisher::Record;
-use crate::shutdown::until_stopped;
+use crate::shutdown::retry_until;
 use crate::sql::{Bound, NoParams, Sql, TableName, micros, statement};
 
 /// The longest run of one aggregate's messages a claim takes behind its head.
@@ -237,29 +234,12 @@ impl StoreStatements {
 
 #[derive(QueryableByName)]
 struct ClaimRow {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-    #[diesel(sql_type = Text)]
-    key: String,
-    #[diesel(sql_type = Text)]
-    topic: String,
-    #[diesel(sql_type = Nullable<Text>)]
-    aggregate_key: Option<String>,
-    #[diesel(sql_type = Bytea)]
-    payload: Vec<u8>,
-    #[diesel(sql_type = Nullable<Text>)]
-    content_type: Option<String>,
-    /// As text: a jsonb value serde cannot hold (`1e400`, deep nesting) must fail this row
-    /// alone, not the whole claim.
-    #[diesel(sql_type = Text)]
-    headers: String,
+    #[diesel(embed)]
+    message: MessageColumns,
     #[diesel(sql_type = Integer)]
     attempts: i32,
     #[diesel(sql_type = BigInt)]
     fencing_token: i64,
-    /// `NULL` when chrono cannot hold it (`infinity`, or beyond the year 9999).
-    #[diesel(sql_type = Nullable<Timestamptz>)]
-    created_at: Option<DateTime<Utc>>,
     #[diesel(sql_type = Text)]
     status: String,
     #[diesel(sql_type = Bool)]
@@ -348,23 +328,9 @@ impl Outbox {
         for row in rows {
             let token = row.fencing_token;
             let status_dead = row.status == "dead";
-            // A row that cannot be decoded is still named by key and topic as it dies.
-            let (headers, created_at, undecodable) = match decode(row.created_at, &row.headers) {
-                Ok((headers, created_at)) => (headers, created_at, None),
-                Err(why) => (BTreeMap::new(), DateTime::UNIX_EPOCH, Some(why)),
-            };
-            let record = Record {
-                id: row.id,
-                key: row.key,
-                topic: row.topic,
-                aggregate_key: row.aggregate_key,
-                payload: row.payload,
-                content_type: row.content_type,
-                headers,
-                // A head was charged by the claim; a run member is charged when published.
-                attempt: u32::try_from(row.attempts).unwrap_or(0) + u32::from(!row.head),
-                created_at,
-            };
+            // A head was charged by the claim; a run member is charged when published.
+            let attempt = u32::try_from(row.attempts).unwrap_or(0) + u32::from(!row.head);
+            let (record, undecodable) = row.message.record(attempt);
             match undecodable {
                 _ if status_dead => batch.crash_looped.push(record),
                 Some(why) => {
@@ -555,40 +521,19 @@ impl<P: Publisher> Relay<P> {
         }
         let inner = &self.inner;
         let started = Instant::now();
-        let attempts = async {
-            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-            let mut attempt = 0u32;
-            loop {
-                attempt += 1;
-                match inner.store.record(outcomes).await {
-                    Ok(fenced) => return Ok(fenced),
-                    Err(e) => {
-                        tracing::warn!(table = %inner.outbox.table(), error = %e, attempt, "recording outcomes failed; retrying");
-                        tokio::time::sleep(backoff.failed()).await;
-                    }
-                }
-            }
-        };
-        let shutdown = async {
-            match stop {
-                Some(mut stop) => {
-                    until_stopped(&mut stop).await;
-                    tokio::time::sleep(RECORD_GRACE).await;
-                }
-                None => std::future::pending().await,
-            }
-        };
         // A batch past its deadline (its relay was paused, say) still gets one try: if no
         // relay took its rows over, its outcomes count; if one did, fencing discards them.
-        let by = by.max(Instant::now() + RECORD_GRACE);
-        let bounded = async {
-            tokio::select! {
-                recorded = tokio::time::timeout_at(by, attempts) => recorded.ok(),
-                () = shutdown => None,
-            }
-        };
-        match bounded.await {
-            Some(Ok::<usize, Error>(fenced)) => {
+        let recorded = retry_until(
+            by,
+            RECORD_GRACE,
+            stop,
+            || inner.store.record(outcomes),
+            |e: &Error, attempt| {
+                tracing::warn!(table = %inner.outbox.table(), error = %e, attempt, "recording outcomes failed; retrying");
+            },
+        );
+        match recorded.await {
+            Some(fenced) => {
                 tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
                 if fenced > 0 {
                     tracing::warn!(
@@ -598,7 +543,7 @@ impl<P: Publisher> Relay<P> {
                     inner.metrics.fenced(fenced);
                 }
             }
-            Some(Err(_)) | None => {
+            None => {
                 tracing::error!(
                     table = %inner.outbox.table(), rows = outcomes.len(),
                     "recording outcomes failed; the rows will be published again after their lease"

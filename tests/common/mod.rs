@@ -313,6 +313,19 @@ impl Fixture {
             .unwrap();
     }
 
+    /// Moves the fixture's table to `engine` (as `migrate` does for an `Outbox` built with
+    /// it), whatever `OUTBOX_ENGINE` says.
+    pub async fn move_to(&mut self, engine: diesel_outbox::Engine) {
+        diesel_outbox::Outbox::builder()
+            .table(self.outbox.table())
+            .engine(engine)
+            .build()
+            .unwrap()
+            .migrate(&mut self.conn)
+            .await
+            .unwrap();
+    }
+
     /// A relay with the outage tests' options.
     pub fn outage_relay<P: diesel_outbox::Publisher>(
         &self,

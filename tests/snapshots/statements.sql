@@ -366,8 +366,7 @@ SELECT DISTINCT aggregate_key AS key FROM "sales"."orders_outbox" WHERE status =
 
 -- log advance
 UPDATE "sales"."orders_outbox_cursor" SET after = $4, page_attempts = $5, lease_until = now() + $6 * interval '1 microsecond'
-WHERE part = 0 AND token = $1 AND tick = $2 AND after = $3
-RETURNING after;
+WHERE part = 0 AND token = $1 AND tick = $2 AND after = $3;
 
 -- log hand_over
 UPDATE "sales"."orders_outbox" t SET
