@@ -1,11 +1,14 @@
 //! The publisher's link to the broker: one connection, its idle confirm channels, and
 //! reconnecting with backoff; and what a lapin error says about reaching the broker.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use lapin::options::ConfirmSelectOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::{Channel, Connection, ConnectionStatus, ErrorKind};
+use lapin::{Channel, Connection, ConnectionStatus, ErrorKind, Event};
 use tokio::time::Instant;
 
 use super::RabbitMqPublisher;
@@ -28,6 +31,8 @@ const RECONNECT_MAX: Duration = Duration::from_secs(1);
 /// batch's return to the other and let an unroutable message count as sent.
 pub(super) struct Link {
     connection: Option<Connection>,
+    /// How many times the broker has blocked the current connection (see [`Lent::blocked`]).
+    blocks: Arc<AtomicU64>,
     idle: Vec<Channel>,
     backoff: Backoff,
     retry_at: Option<Instant>,
@@ -37,6 +42,7 @@ impl Default for Link {
     fn default() -> Self {
         Link {
             connection: None,
+            blocks: Arc::default(),
             idle: Vec::new(),
             backoff: Backoff::new(RECONNECT_MIN, RECONNECT_MAX),
             retry_at: None,
@@ -47,18 +53,44 @@ impl Default for Link {
 /// A confirm channel lent to one batch, with what it needs to know of its connection.
 pub(super) struct Lent {
     pub(super) channel: Channel,
-    pub(super) status: ConnectionStatus,
+    status: ConnectionStatus,
+    blocks: Arc<AtomicU64>,
+    blocks_when_lent: u64,
     pub(super) frame_max: u32,
 }
 
 impl Lent {
-    fn new(channel: Channel, connection: &Connection) -> Self {
+    fn new(channel: Channel, connection: &Connection, blocks: &Arc<AtomicU64>) -> Self {
         Lent {
             channel,
             status: connection.status().clone(),
+            blocks: blocks.clone(),
+            blocks_when_lent: blocks.load(Ordering::SeqCst),
             frame_max: connection.configuration().frame_max(),
         }
     }
+
+    /// Whether a resource alarm blocks the connection now, or blocked it at any time since
+    /// the channel was lent: a write or a confirm held up by an alarm that has just cleared
+    /// is still an outage, not the record's fault.
+    pub(super) fn blocked(&self) -> bool {
+        self.status.blocked() || self.blocks.load(Ordering::SeqCst) != self.blocks_when_lent
+    }
+}
+
+/// Counts the broker's `connection.blocked` notices on `connection` until it is gone.
+fn count_blocks(connection: &Connection) -> Arc<AtomicU64> {
+    let blocks = Arc::new(AtomicU64::new(0));
+    let counted = blocks.clone();
+    let mut events = connection.events_listener();
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            if matches!(event, Event::ConnectionBlocked(_)) {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    });
+    blocks
 }
 
 impl RabbitMqPublisher {
@@ -75,7 +107,7 @@ impl RabbitMqPublisher {
             while let Some(channel) = link.idle.pop() {
                 if channel.status().connected() {
                     let connection = link.connection.as_ref().expect("connected above");
-                    return Ok(Lent::new(channel, connection));
+                    return Ok(Lent::new(channel, connection, &link.blocks));
                 }
             }
         } else {
@@ -101,6 +133,7 @@ impl RabbitMqPublisher {
             match connecting {
                 Ok(connection) => {
                     tracing::info!(endpoint = %self.endpoint.name, "connected to RabbitMQ");
+                    link.blocks = count_blocks(&connection);
                     link.connection = Some(connection);
                 }
                 Err(e) => {
@@ -137,7 +170,7 @@ impl RabbitMqPublisher {
                 ));
             }
         };
-        let lent = Lent::new(channel, connection);
+        let lent = Lent::new(channel, connection, &link.blocks);
         link.backoff.reset();
         link.retry_at = None;
         Ok(lent)

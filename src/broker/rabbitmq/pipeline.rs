@@ -61,7 +61,7 @@ impl Pipelined for RabbitMqPublisher {
                 ));
             }
         };
-        if lent.status.blocked() {
+        if lent.blocked() {
             return Err(self.blocked_reason());
         }
         Ok(Batch {
@@ -95,10 +95,10 @@ impl Pipelined for RabbitMqPublisher {
     }
 
     fn send_timed_out(&self, batch: &Batch) -> Unsent {
-        // The writer is stuck: a blocked connection stops lapin writing (an outage); on a
-        // healthy one this record could not be written in time (charged, so a record that
+        // The writer is stuck: a blocked connection stops lapin writing (an outage, also
+        // when the alarm cleared just before the deadline); on a healthy one this record could not be written in time (charged, so a record that
         // never goes through ends dead), and the rest is released.
-        let error = if batch.lent.status.blocked() {
+        let error = if batch.lent.blocked() {
             self.blocked()
         } else {
             PublishError::transient(format!(
@@ -130,7 +130,7 @@ impl Pipelined for RabbitMqPublisher {
         }
         let Batch { lent, confirms } = batch;
         let timed_out = || {
-            if lent.status.blocked() {
+            if lent.blocked() {
                 self.blocked()
             } else {
                 PublishError::transient(format!(
