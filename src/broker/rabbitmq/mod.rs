@@ -14,7 +14,9 @@
 //! The broker being out of reach is not a message's fault: connection refused or lost
 //! before a record was written, a failed login, the exchange missing, or the connection
 //! blocked by a resource alarm are reported as [`PublishError::unavailable`](crate::PublishError::unavailable), and the relay
-//! releases such records without spending their attempts. When the channel or connection
+//! releases such records without spending their attempts. A batch that the broker blocked at
+//! any time after it began counts as blocked, even if the alarm cleared just before its
+//! deadline. When the channel or connection
 //! goes down under records already written, the first of them is charged a transient
 //! failure (it may be the one that brought it down, and must not be retried forever) and
 //! the others are released.
