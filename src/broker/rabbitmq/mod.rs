@@ -16,10 +16,9 @@
 //! blocked by a resource alarm are reported as [`PublishError::unavailable`](crate::PublishError::unavailable), and the relay
 //! releases such records without spending their attempts. A batch that the broker blocked at
 //! any time after it began counts as blocked, even if the alarm cleared just before its
-//! deadline. When the channel or connection
-//! goes down under records already written, the first of them is charged a transient
-//! failure (it may be the one that brought it down, and must not be retried forever) and
-//! the others are released.
+//! deadline. When the channel or connection goes down under records already written, the
+//! first of them is charged a transient failure (it may be the one that brought it down, and
+//! must not be retried forever) and the others are released.
 //!
 //! Before anything is written, each record is checked against what RabbitMQ itself accepts,
 //! and fails permanently and alone if it breaks a rule: names and values over 255 bytes

@@ -96,8 +96,9 @@ impl Pipelined for RabbitMqPublisher {
 
     fn send_timed_out(&self, batch: &Batch) -> Unsent {
         // The writer is stuck: a blocked connection stops lapin writing (an outage, also
-        // when the alarm cleared just before the deadline); on a healthy one this record could not be written in time (charged, so a record that
-        // never goes through ends dead), and the rest is released.
+        // when the alarm cleared just before the deadline); on a healthy one this record
+        // could not be written in time (charged, so a record that never goes through ends
+        // dead), and the rest is released.
         let error = if batch.lent.blocked() {
             self.blocked()
         } else {
