@@ -31,8 +31,6 @@ const RECONNECT_MAX: Duration = Duration::from_secs(1);
 /// batch's return to the other and let an unroutable message count as sent.
 pub(super) struct Link {
     connection: Option<Connection>,
-    /// How many times the broker has blocked the current connection (see [`Lent::blocked`]).
-    blocks: Arc<AtomicU64>,
     idle: Vec<Channel>,
     backoff: Backoff,
     retry_at: Option<Instant>,
@@ -42,7 +40,6 @@ impl Default for Link {
     fn default() -> Self {
         Link {
             connection: None,
-            blocks: Arc::default(),
             idle: Vec::new(),
             backoff: Backoff::new(RECONNECT_MIN, RECONNECT_MAX),
             retry_at: None,
@@ -50,54 +47,58 @@ impl Default for Link {
     }
 }
 
+/// How many times the broker has blocked any of the publisher's connections (a resource
+/// alarm), counted from the broker's `connection.blocked` notices for the publisher's
+/// lifetime: a batch compares the count when it began with the count when it ends.
+#[derive(Clone, Default)]
+pub(super) struct Blocks(Arc<AtomicU64>);
+
+impl Blocks {
+    /// The count so far.
+    pub(super) fn count(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// Counts the notices on `connection` until it is gone.
+    fn listen(&self, connection: &Connection) {
+        let counted = self.0.clone();
+        let mut events = connection.events_listener();
+        tokio::spawn(async move {
+            while let Some(event) = events.next().await {
+                if matches!(event, Event::ConnectionBlocked(_)) {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+    }
+}
+
 /// A confirm channel lent to one batch, with what it needs to know of its connection.
 pub(super) struct Lent {
     pub(super) channel: Channel,
     status: ConnectionStatus,
-    blocks: Arc<AtomicU64>,
-    blocks_when_lent: u64,
+    blocks: Blocks,
+    /// The block count when the batch began, before it waited for this channel.
+    blocks_since: u64,
     pub(super) frame_max: u32,
 }
 
 impl Lent {
-    fn new(channel: Channel, connection: &Connection, blocks: &Arc<AtomicU64>) -> Self {
-        Lent {
-            channel,
-            status: connection.status().clone(),
-            blocks: blocks.clone(),
-            blocks_when_lent: blocks.load(Ordering::SeqCst),
-            frame_max: connection.configuration().frame_max(),
-        }
-    }
-
-    /// Whether a resource alarm blocks the connection now, or blocked it at any time since
-    /// the channel was lent: a write or a confirm held up by an alarm that has just cleared
-    /// is still an outage, not the record's fault.
+    /// Whether a resource alarm blocks the connection now, or blocked one of the
+    /// publisher's connections at any time since the batch began: a wait for the channel,
+    /// a write or a confirm held up by an alarm that has just cleared is still an outage,
+    /// not the record's fault (the time the alarm took is gone from the batch's deadline).
     pub(super) fn blocked(&self) -> bool {
-        self.status.blocked() || self.blocks.load(Ordering::SeqCst) != self.blocks_when_lent
+        self.status.blocked() || self.blocks.count() != self.blocks_since
     }
-}
-
-/// Counts the broker's `connection.blocked` notices on `connection` until it is gone.
-fn count_blocks(connection: &Connection) -> Arc<AtomicU64> {
-    let blocks = Arc::new(AtomicU64::new(0));
-    let counted = blocks.clone();
-    let mut events = connection.events_listener();
-    tokio::spawn(async move {
-        while let Some(event) = events.next().await {
-            if matches!(event, Event::ConnectionBlocked(_)) {
-                counted.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    });
-    blocks
 }
 
 impl RabbitMqPublisher {
     /// A confirm channel for one batch's exclusive use, opening a new connection or channel
-    /// when needed. Give it back with [`RabbitMqPublisher::give_back`]. Every failure here
-    /// is an outage: nothing was written.
-    pub(super) async fn channel(&self) -> std::result::Result<Lent, String> {
+    /// when needed; `blocks_since` is the publisher's [`Blocks::count`] when the batch
+    /// began (see [`Lent::blocked`]). Give it back with [`RabbitMqPublisher::give_back`].
+    /// Every failure here is an outage: nothing was written.
+    pub(super) async fn channel(&self, blocks_since: u64) -> std::result::Result<Lent, String> {
         let mut link = self.link.lock().await;
         let connected = link
             .connection
@@ -107,7 +108,7 @@ impl RabbitMqPublisher {
             while let Some(channel) = link.idle.pop() {
                 if channel.status().connected() {
                     let connection = link.connection.as_ref().expect("connected above");
-                    return Ok(Lent::new(channel, connection, &link.blocks));
+                    return Ok(self.lend(channel, connection, blocks_since));
                 }
             }
         } else {
@@ -133,7 +134,7 @@ impl RabbitMqPublisher {
             match connecting {
                 Ok(connection) => {
                     tracing::info!(endpoint = %self.endpoint.name, "connected to RabbitMQ");
-                    link.blocks = count_blocks(&connection);
+                    self.blocks.listen(&connection);
                     link.connection = Some(connection);
                 }
                 Err(e) => {
@@ -170,10 +171,20 @@ impl RabbitMqPublisher {
                 ));
             }
         };
-        let lent = Lent::new(channel, connection, &link.blocks);
+        let lent = self.lend(channel, connection, blocks_since);
         link.backoff.reset();
         link.retry_at = None;
         Ok(lent)
+    }
+
+    fn lend(&self, channel: Channel, connection: &Connection, blocks_since: u64) -> Lent {
+        Lent {
+            channel,
+            status: connection.status().clone(),
+            blocks: self.blocks.clone(),
+            blocks_since,
+            frame_max: connection.configuration().frame_max(),
+        }
     }
 
     /// Returns a channel after a batch whose confirms all arrived, without waiting for the

@@ -76,8 +76,8 @@ use std::time::Duration;
 use lapin::types::ShortString;
 use tokio::sync::Mutex;
 
-use self::connection::Link;
 pub(crate) use self::connection::not_found;
+use self::connection::{Blocks, Link};
 pub(crate) use self::endpoint::Endpoint;
 pub use self::topology::Topology;
 use crate::error::{Error, Result};
@@ -105,6 +105,7 @@ pub struct RabbitMqPublisher {
     /// Whether the user set `confirm_timeout` (otherwise a relay fits it to its lease).
     confirm_timeout_set: bool,
     link: Arc<Mutex<Link>>,
+    blocks: Blocks,
 }
 
 impl fmt::Debug for RabbitMqPublisher {
@@ -220,9 +221,10 @@ impl RabbitMqPublisherBuilder {
             confirm_timeout: self.confirm_timeout,
             confirm_timeout_set: self.confirm_timeout_set,
             link: Arc::new(Mutex::new(Link::default())),
+            blocks: Blocks::default(),
         };
         let lent = publisher
-            .channel()
+            .channel(publisher.blocks.count())
             .await
             .map_err(|why| Error::Publish(why.into()))?;
         // The exchange must exist now: a name that is wrong is no outage to wait out.

@@ -51,7 +51,10 @@ impl Pipelined for RabbitMqPublisher {
     }
 
     async fn open(&self, n: usize, deadline: Instant) -> Result<Batch, String> {
-        let lent = match tokio::time::timeout_at(deadline, self.channel()).await {
+        // Counted before waiting for a channel: an alarm that holds up the wait is an
+        // outage too, even when it clears before the channel comes.
+        let blocks_since = self.blocks.count();
+        let lent = match tokio::time::timeout_at(deadline, self.channel(blocks_since)).await {
             Ok(Ok(lent)) => lent,
             Ok(Err(why)) => return Err(why),
             Err(_) => {
