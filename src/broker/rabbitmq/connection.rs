@@ -47,26 +47,64 @@ impl Default for Link {
     }
 }
 
-/// How many times the broker has blocked any of the publisher's connections (a resource
-/// alarm), counted from the broker's `connection.blocked` notices for the publisher's
-/// lifetime: a batch compares the count when it began with the count when it ends.
+/// The broker's resource-alarm notices on any of the publisher's connections, for the
+/// publisher's lifetime: how many times it blocked one (`connection.blocked`) and when it
+/// last unblocked one (`connection.unblocked`). A batch notes them when it begins
+/// ([`Blocks::begin`]) and asks at its end whether an alarm touched it ([`Lent::blocked`]).
 #[derive(Clone, Default)]
-pub(super) struct Blocks(Arc<AtomicU64>);
+pub(super) struct Blocks(Arc<Notices>);
+
+#[derive(Default)]
+struct Notices {
+    blocked: AtomicU64,
+    unblocked_at: std::sync::Mutex<Option<Instant>>,
+}
+
+/// What a batch noted of the notices when it began, before it waited for a channel.
+#[derive(Clone, Copy)]
+pub(super) struct Began {
+    blocked: u64,
+    at: Instant,
+}
 
 impl Blocks {
-    /// The count so far.
-    pub(super) fn count(&self) -> u64 {
-        self.0.load(Ordering::SeqCst)
+    /// Notes the notices so far, for a batch that begins now.
+    pub(super) fn begin(&self) -> Began {
+        Began {
+            blocked: self.0.blocked.load(Ordering::SeqCst),
+            at: Instant::now(),
+        }
+    }
+
+    /// Whether the broker blocked one of the connections since `began`, or unblocked one
+    /// less than `grace` before it or since.
+    fn touched(&self, began: Began, grace: Duration) -> bool {
+        let unblocked_at = *self
+            .0
+            .unblocked_at
+            .lock()
+            .expect("no panic holds this lock");
+        self.0.blocked.load(Ordering::SeqCst) != began.blocked
+            || unblocked_at.is_some_and(|at| at + grace > began.at)
     }
 
     /// Counts the notices on `connection` until it is gone.
     fn listen(&self, connection: &Connection) {
-        let counted = self.0.clone();
+        let notices = self.0.clone();
         let mut events = connection.events_listener();
         tokio::spawn(async move {
             while let Some(event) = events.next().await {
-                if matches!(event, Event::ConnectionBlocked(_)) {
-                    counted.fetch_add(1, Ordering::SeqCst);
+                match event {
+                    Event::ConnectionBlocked(_) => {
+                        notices.blocked.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Event::ConnectionUnblocked => {
+                        *notices
+                            .unblocked_at
+                            .lock()
+                            .expect("no panic holds this lock") = Some(Instant::now());
+                    }
+                    _ => {}
                 }
             }
         });
@@ -78,27 +116,36 @@ pub(super) struct Lent {
     pub(super) channel: Channel,
     status: ConnectionStatus,
     blocks: Blocks,
-    /// The block count when the batch began, before it waited for this channel.
-    blocks_since: u64,
+    began: Began,
+    /// How long after an alarm clears a batch that times out still counts it as an outage.
+    grace: Duration,
     pub(super) frame_max: u32,
 }
 
 impl Lent {
-    /// Whether a resource alarm blocks the connection now, or blocked one of the
-    /// publisher's connections at any time since the batch began: a wait for the channel,
-    /// a write or a confirm held up by an alarm that has just cleared is still an outage,
-    /// not the record's fault (the time the alarm took is gone from the batch's deadline).
+    /// Whether a resource alarm blocks the connection now: lapin writes nothing on it.
     pub(super) fn blocked(&self) -> bool {
-        self.status.blocked() || self.blocks.count() != self.blocks_since
+        self.status.blocked()
+    }
+
+    /// Whether a resource alarm held the batch up: it blocks the connection now, it blocked
+    /// one of the publisher's connections at any time since the batch began (a wait for the
+    /// channel, a write or a confirm held up by an alarm that has just cleared), or it
+    /// cleared less than one confirm timeout before the batch began. The last is the
+    /// alarm's wake: lapin holds every frame while the connection is blocked and sends them
+    /// all once it is unblocked, and the broker then takes in what every blocked publisher
+    /// held back, so a batch that times out then is an outage too, not the record's fault.
+    pub(super) fn held_up(&self) -> bool {
+        self.blocked() || self.blocks.touched(self.began, self.grace)
     }
 }
 
 impl RabbitMqPublisher {
     /// A confirm channel for one batch's exclusive use, opening a new connection or channel
-    /// when needed; `blocks_since` is the publisher's [`Blocks::count`] when the batch
+    /// when needed; `began` is what the batch noted of the broker's alarm notices when it
     /// began (see [`Lent::blocked`]). Give it back with [`RabbitMqPublisher::give_back`].
     /// Every failure here is an outage: nothing was written.
-    pub(super) async fn channel(&self, blocks_since: u64) -> std::result::Result<Lent, String> {
+    pub(super) async fn channel(&self, began: Began) -> std::result::Result<Lent, String> {
         let mut link = self.link.lock().await;
         let connected = link
             .connection
@@ -108,7 +155,7 @@ impl RabbitMqPublisher {
             while let Some(channel) = link.idle.pop() {
                 if channel.status().connected() {
                     let connection = link.connection.as_ref().expect("connected above");
-                    return Ok(self.lend(channel, connection, blocks_since));
+                    return Ok(self.lend(channel, connection, began));
                 }
             }
         } else {
@@ -171,18 +218,19 @@ impl RabbitMqPublisher {
                 ));
             }
         };
-        let lent = self.lend(channel, connection, blocks_since);
+        let lent = self.lend(channel, connection, began);
         link.backoff.reset();
         link.retry_at = None;
         Ok(lent)
     }
 
-    fn lend(&self, channel: Channel, connection: &Connection, blocks_since: u64) -> Lent {
+    fn lend(&self, channel: Channel, connection: &Connection, began: Began) -> Lent {
         Lent {
             channel,
             status: connection.status().clone(),
             blocks: self.blocks.clone(),
-            blocks_since,
+            began,
+            grace: self.confirm_timeout,
             frame_max: connection.configuration().frame_max(),
         }
     }
@@ -244,4 +292,42 @@ pub(super) fn closed_by_broker_side(err: &lapin::Error) -> bool {
                     | AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED)
             )
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_alarm_touches_a_batch_that_it_blocked_or_that_began_in_its_wake() {
+        const GRACE: Duration = Duration::from_secs(1);
+        let blocks = Blocks::default();
+        let unblocked = |ago: Duration| {
+            *blocks.0.unblocked_at.lock().unwrap() = Some(Instant::now() - ago);
+        };
+        let began = blocks.begin();
+        assert!(!blocks.touched(began, GRACE), "no alarm at all");
+
+        // Unblocked long before the batch began: its wake is over.
+        unblocked(Duration::from_secs(5));
+        assert!(!blocks.touched(blocks.begin(), GRACE));
+        // Unblocked less than the grace before the batch began, or after.
+        unblocked(Duration::from_millis(300));
+        assert!(blocks.touched(blocks.begin(), GRACE));
+        unblocked(Duration::from_secs(5));
+        let began = blocks.begin();
+        unblocked(Duration::ZERO);
+        assert!(blocks.touched(began, GRACE));
+
+        // Blocked since the batch began, on any of the publisher's connections.
+        unblocked(Duration::from_secs(5));
+        let began = blocks.begin();
+        assert!(!blocks.touched(began, GRACE));
+        blocks.0.blocked.fetch_add(1, Ordering::SeqCst);
+        assert!(blocks.touched(began, GRACE));
+        assert!(
+            !blocks.touched(blocks.begin(), GRACE),
+            "blocked before it began"
+        );
+    }
 }

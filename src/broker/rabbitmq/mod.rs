@@ -14,9 +14,11 @@
 //! The broker being out of reach is not a message's fault: connection refused or lost
 //! before a record was written, a failed login, the exchange missing, or the connection
 //! blocked by a resource alarm are reported as [`PublishError::unavailable`](crate::PublishError::unavailable), and the relay
-//! releases such records without spending their attempts. A batch that the broker blocked at
-//! any time after it began counts as blocked, even if the alarm cleared just before its
-//! deadline. When the channel or connection goes down under records already written, the
+//! releases such records without spending their attempts. A batch that times out counts as
+//! held up by an alarm, not as the records' failure, when the broker blocked the connection
+//! at any time after the batch began, even if the alarm cleared just before its deadline, or
+//! unblocked it less than one confirm timeout before the batch began (while blocked, nothing
+//! is written; once unblocked, everything held back goes at once). When the channel or connection goes down under records already written, the
 //! first of them is charged a transient failure (it may be the one that brought it down, and
 //! must not be retried forever) and the others are released.
 //!
@@ -224,7 +226,7 @@ impl RabbitMqPublisherBuilder {
             blocks: Blocks::default(),
         };
         let lent = publisher
-            .channel(publisher.blocks.count())
+            .channel(publisher.blocks.begin())
             .await
             .map_err(|why| Error::Publish(why.into()))?;
         // The exchange must exist now: a name that is wrong is no outage to wait out.

@@ -20,16 +20,21 @@ pub(crate) struct Batch {
 }
 
 impl RabbitMqPublisher {
-    /// The connection is blocked by a resource alarm: an outage.
-    fn blocked(&self) -> PublishError {
-        PublishError::unavailable(self.blocked_reason())
-    }
-
+    /// The connection is blocked by a resource alarm.
     fn blocked_reason(&self) -> String {
         format!(
             "RabbitMQ at {} blocked the connection (a resource alarm is on)",
             self.endpoint.name
         )
+    }
+
+    /// A batch ran out of time while a resource alarm held it up ([`Lent::held_up`]): an
+    /// outage.
+    fn held_up(&self) -> PublishError {
+        PublishError::unavailable(format!(
+            "RabbitMQ at {} held the batch up: a resource alarm blocked the connection",
+            self.endpoint.name
+        ))
     }
 }
 
@@ -51,10 +56,10 @@ impl Pipelined for RabbitMqPublisher {
     }
 
     async fn open(&self, n: usize, deadline: Instant) -> Result<Batch, String> {
-        // Counted before waiting for a channel: an alarm that holds up the wait is an
-        // outage too, even when it clears before the channel comes.
-        let blocks_since = self.blocks.count();
-        let lent = match tokio::time::timeout_at(deadline, self.channel(blocks_since)).await {
+        // Noted before waiting for a channel: an alarm that holds up the wait is an
+        // outage too, even when it clears before the channel comes (`Lent::held_up`).
+        let began = self.blocks.begin();
+        let lent = match tokio::time::timeout_at(deadline, self.channel(began)).await {
             Ok(Ok(lent)) => lent,
             Ok(Err(why)) => return Err(why),
             Err(_) => {
@@ -102,8 +107,8 @@ impl Pipelined for RabbitMqPublisher {
         // when the alarm cleared just before the deadline); on a healthy one this record
         // could not be written in time (charged, so a record that never goes through ends
         // dead), and the rest is released.
-        let error = if batch.lent.blocked() {
-            self.blocked()
+        let error = if batch.lent.held_up() {
+            self.held_up()
         } else {
             PublishError::transient(format!(
                 "RabbitMQ at {} took not all of this message's frames within {:?}",
@@ -134,8 +139,8 @@ impl Pipelined for RabbitMqPublisher {
         }
         let Batch { lent, confirms } = batch;
         let timed_out = || {
-            if lent.blocked() {
-                self.blocked()
+            if lent.held_up() {
+                self.held_up()
             } else {
                 PublishError::transient(format!(
                     "no confirm within the confirm timeout ({:?})",
