@@ -217,6 +217,7 @@ async fn pause_beyond_lease(relays: &mut Relays, admin: &mut AsyncPgConnection, 
         }
     }
     tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
+    let takeovers = relays.cursor_takeovers();
     relays.spawn(RELAYS);
     let ids: Vec<i64> = held.iter().map(|c| c.id).collect();
     let taken_over = format!(
@@ -236,6 +237,14 @@ async fn pause_beyond_lease(relays: &mut Relays, admin: &mut AsyncPgConnection, 
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // On the log engine the cursor is what a paused relay holds (its rows carry no lease):
+    // it must be taken over too before the paused ones resume, or the one that held it
+    // simply carries on.
+    if common::engine() == diesel_outbox::Engine::Log {
+        while relays.cursor_takeovers() == takeovers && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     for slot in 0..RELAYS {
         relays.signal(slot, "-CONT");
