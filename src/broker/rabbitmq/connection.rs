@@ -50,7 +50,8 @@ impl Default for Link {
 /// The broker's resource-alarm notices on any of the publisher's connections, for the
 /// publisher's lifetime: how many times it blocked one (`connection.blocked`) and when it
 /// last unblocked one (`connection.unblocked`). A batch notes them when it begins
-/// ([`Blocks::begin`]) and asks at its end whether an alarm touched it ([`Lent::blocked`]).
+/// ([`Blocks::begin`]) and asks, if it times out, whether an alarm held it up
+/// ([`Lent::held_up`]).
 #[derive(Clone, Default)]
 pub(super) struct Blocks(Arc<Notices>);
 
@@ -88,7 +89,7 @@ impl Blocks {
             || unblocked_at.is_some_and(|at| at + grace > began.at)
     }
 
-    /// Counts the notices on `connection` until it is gone.
+    /// Records the notices on `connection` until it is gone.
     fn listen(&self, connection: &Connection) {
         let notices = self.0.clone();
         let mut events = connection.events_listener();
@@ -143,7 +144,7 @@ impl Lent {
 impl RabbitMqPublisher {
     /// A confirm channel for one batch's exclusive use, opening a new connection or channel
     /// when needed; `began` is what the batch noted of the broker's alarm notices when it
-    /// began (see [`Lent::blocked`]). Give it back with [`RabbitMqPublisher::give_back`].
+    /// began (see [`Lent::held_up`]). Give it back with [`RabbitMqPublisher::give_back`].
     /// Every failure here is an outage: nothing was written.
     pub(super) async fn channel(&self, began: Began) -> std::result::Result<Lent, String> {
         let mut link = self.link.lock().await;
