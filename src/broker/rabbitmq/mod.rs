@@ -18,9 +18,10 @@
 //! held up by an alarm, not as the records' failure, when the broker blocked the connection
 //! at any time after the batch began, even if the alarm cleared just before its deadline, or
 //! unblocked it less than one confirm timeout before the batch began (while blocked, nothing
-//! is written; once unblocked, everything held back goes at once). When the channel or connection goes down under records already written, the
-//! first of them is charged a transient failure (it may be the one that brought it down, and
-//! must not be retried forever) and the others are released.
+//! is written; once unblocked, everything held back goes at once). When the channel or
+//! connection goes down under records already written, the first of them is charged a
+//! transient failure (it may be the one that brought it down, and must not be retried
+//! forever) and the others are released.
 //!
 //! Before anything is written, each record is checked against what RabbitMQ itself accepts,
 //! and fails permanently and alone if it breaks a rule: names and values over 255 bytes
