@@ -51,7 +51,7 @@ impl Default for Link {
 /// publisher's lifetime: how many times it blocked one (`connection.blocked`) and when it
 /// last unblocked one (`connection.unblocked`). A batch notes them when it begins
 /// ([`Blocks::begin`]) and asks, if it times out, whether an alarm held it up
-/// ([`Lent::held_up`]).
+/// ([`Blocks::touched`]).
 #[derive(Clone, Default)]
 pub(super) struct Blocks(Arc<Notices>);
 
@@ -78,8 +78,14 @@ impl Blocks {
     }
 
     /// Whether the broker blocked one of the connections since `began`, or unblocked one
-    /// less than `grace` before it or since.
-    fn touched(&self, began: Began, grace: Duration) -> bool {
+    /// less than `grace` before it or since. With the connection's own status (blocked
+    /// now), this says whether an alarm held a batch up: a wait for its channel, a write or
+    /// a confirm held up by an alarm that has just cleared is an outage, not the record's
+    /// fault. So is a timeout in the alarm's wake: lapin holds every frame while the
+    /// connection is blocked and sends them all once it is unblocked, and the broker then
+    /// takes in what every blocked publisher held back. (The count also covers a block whose
+    /// unblock notice is still on its way to this listener.)
+    pub(super) fn touched(&self, began: Began, grace: Duration) -> bool {
         let unblocked_at = *self
             .0
             .unblocked_at
@@ -116,10 +122,6 @@ impl Blocks {
 pub(super) struct Lent {
     pub(super) channel: Channel,
     status: ConnectionStatus,
-    blocks: Blocks,
-    began: Began,
-    /// How long after an alarm clears a batch that times out still counts it as an outage.
-    grace: Duration,
     pub(super) frame_max: u32,
 }
 
@@ -128,25 +130,13 @@ impl Lent {
     pub(super) fn blocked(&self) -> bool {
         self.status.blocked()
     }
-
-    /// Whether a resource alarm held the batch up: it blocks the connection now, it blocked
-    /// one of the publisher's connections at any time since the batch began (a wait for the
-    /// channel, a write or a confirm held up by an alarm that has just cleared), or it
-    /// cleared less than one confirm timeout before the batch began. The last is the
-    /// alarm's wake: lapin holds every frame while the connection is blocked and sends them
-    /// all once it is unblocked, and the broker then takes in what every blocked publisher
-    /// held back, so a batch that times out then is an outage too, not the record's fault.
-    pub(super) fn held_up(&self) -> bool {
-        self.blocked() || self.blocks.touched(self.began, self.grace)
-    }
 }
 
 impl RabbitMqPublisher {
     /// A confirm channel for one batch's exclusive use, opening a new connection or channel
-    /// when needed; `began` is what the batch noted of the broker's alarm notices when it
-    /// began (see [`Lent::held_up`]). Give it back with [`RabbitMqPublisher::give_back`].
+    /// when needed. Give it back with [`RabbitMqPublisher::give_back`].
     /// Every failure here is an outage: nothing was written.
-    pub(super) async fn channel(&self, began: Began) -> std::result::Result<Lent, String> {
+    pub(super) async fn channel(&self) -> std::result::Result<Lent, String> {
         let mut link = self.link.lock().await;
         let connected = link
             .connection
@@ -156,7 +146,7 @@ impl RabbitMqPublisher {
             while let Some(channel) = link.idle.pop() {
                 if channel.status().connected() {
                     let connection = link.connection.as_ref().expect("connected above");
-                    return Ok(self.lend(channel, connection, began));
+                    return Ok(self.lend(channel, connection));
                 }
             }
         } else {
@@ -219,19 +209,16 @@ impl RabbitMqPublisher {
                 ));
             }
         };
-        let lent = self.lend(channel, connection, began);
+        let lent = self.lend(channel, connection);
         link.backoff.reset();
         link.retry_at = None;
         Ok(lent)
     }
 
-    fn lend(&self, channel: Channel, connection: &Connection, began: Began) -> Lent {
+    fn lend(&self, channel: Channel, connection: &Connection) -> Lent {
         Lent {
             channel,
             status: connection.status().clone(),
-            blocks: self.blocks.clone(),
-            began,
-            grace: self.confirm_timeout,
             frame_max: connection.configuration().frame_max(),
         }
     }

@@ -227,7 +227,7 @@ impl RabbitMqPublisherBuilder {
             blocks: Blocks::default(),
         };
         let lent = publisher
-            .channel(publisher.blocks.begin())
+            .channel()
             .await
             .map_err(|why| Error::Publish(why.into()))?;
         // The exchange must exist now: a name that is wrong is no outage to wait out.

@@ -8,14 +8,16 @@ use lapin::{Confirmation, PublisherConfirm};
 use tokio::time::Instant;
 
 use super::RabbitMqPublisher;
-use super::connection::{Lent, classify, closed_by_broker_side};
+use super::connection::{Began, Lent, classify, closed_by_broker_side};
 use super::properties::properties;
 use crate::broker::pipeline::{Ended, Pipelined, Results, Unsent};
 use crate::publisher::{PublishError, Record};
 
-/// One batch on its way: the channel it is published on, and its confirms so far.
+/// One batch on its way: the channel it is published on, what it noted of the broker's
+/// alarm notices when it began, and its confirms so far.
 pub(crate) struct Batch {
     lent: Lent,
+    began: Began,
     confirms: Confirms,
 }
 
@@ -28,13 +30,16 @@ impl RabbitMqPublisher {
         )
     }
 
-    /// A batch ran out of time while a resource alarm held it up ([`Lent::held_up`]): an
-    /// outage.
-    fn held_up(&self) -> PublishError {
-        PublishError::unavailable(format!(
-            "RabbitMQ at {} held the batch up: a resource alarm blocked the connection",
-            self.endpoint.name
-        ))
+    /// For a batch that ran out of time: an outage if a resource alarm held it up (it
+    /// blocks the connection now, or [`Blocks::touched`](super::connection::Blocks::touched)
+    /// the batch; the wake lasts one confirm timeout), else `None`.
+    fn held_up(&self, lent: &Lent, began: Began) -> Option<PublishError> {
+        (lent.blocked() || self.blocks.touched(began, self.confirm_timeout)).then(|| {
+            PublishError::unavailable(format!(
+                "RabbitMQ at {} held the batch up: a resource alarm blocked the connection",
+                self.endpoint.name
+            ))
+        })
     }
 }
 
@@ -57,9 +62,9 @@ impl Pipelined for RabbitMqPublisher {
 
     async fn open(&self, n: usize, deadline: Instant) -> Result<Batch, String> {
         // Noted before waiting for a channel: an alarm that holds up the wait is an
-        // outage too, even when it clears before the channel comes (`Lent::held_up`).
+        // outage too, even when it clears before the channel comes.
         let began = self.blocks.begin();
-        let lent = match tokio::time::timeout_at(deadline, self.channel(began)).await {
+        let lent = match tokio::time::timeout_at(deadline, self.channel()).await {
             Ok(Ok(lent)) => lent,
             Ok(Err(why)) => return Err(why),
             Err(_) => {
@@ -74,6 +79,7 @@ impl Pipelined for RabbitMqPublisher {
         }
         Ok(Batch {
             lent,
+            began,
             confirms: Confirms::new(n),
         })
     }
@@ -107,14 +113,12 @@ impl Pipelined for RabbitMqPublisher {
         // when the alarm cleared just before the deadline); on a healthy one this record
         // could not be written in time (charged, so a record that never goes through ends
         // dead), and the rest is released.
-        let error = if batch.lent.held_up() {
-            self.held_up()
-        } else {
+        let error = self.held_up(&batch.lent, batch.began).unwrap_or_else(|| {
             PublishError::transient(format!(
                 "RabbitMQ at {} took not all of this message's frames within {:?}",
                 self.endpoint.name, self.confirm_timeout
             ))
-        };
+        });
         Unsent {
             error,
             rest: Some(format!(
@@ -137,16 +141,18 @@ impl Pipelined for RabbitMqPublisher {
         if !ended.complete {
             tracing::warn!(endpoint = %self.endpoint.name, timeout = ?self.confirm_timeout, "RabbitMQ confirm timeout");
         }
-        let Batch { lent, confirms } = batch;
+        let Batch {
+            lent,
+            began,
+            confirms,
+        } = batch;
         let timed_out = || {
-            if lent.held_up() {
-                self.held_up()
-            } else {
+            self.held_up(&lent, began).unwrap_or_else(|| {
                 PublishError::transient(format!(
                     "no confirm within the confirm timeout ({:?})",
                     self.confirm_timeout
                 ))
-            }
+            })
         };
         let results = confirms.finish(records, self.exchange.as_str(), &timed_out);
         // A channel whose confirms did not all come may be stuck, and late returns would
