@@ -343,6 +343,69 @@ pub fn lag(
     Ok(lag)
 }
 
+/// Where `topic` (partitions `0..partitions`) holds the messages whose idempotency key is
+/// in `keys`, read from the beginning up to each partition's high watermark, with group
+/// `group`'s committed offsets and the watermarks: for a report when a message went missing.
+pub fn locate(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+    keys: &[String],
+) -> Result<String, rdkafka::error::KafkaError> {
+    use rdkafka::consumer::BaseConsumer;
+    let timeout = Duration::from_secs(10);
+    let reader: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let mut wanted = TopicPartitionList::new();
+    for partition in 0..partitions {
+        wanted.add_partition_offset(topic, partition, Offset::Beginning)?;
+    }
+    let committed = reader.committed_offsets(wanted.clone(), timeout)?;
+    let mut highs = Vec::new();
+    for partition in 0..partitions {
+        highs.push(reader.fetch_watermarks(topic, partition, timeout)?);
+    }
+    reader.assign(&wanted)?;
+    let mut next = vec![0i64; usize::try_from(partitions).unwrap()];
+    let mut found = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while next.iter().zip(&highs).any(|(n, (_, high))| n < high) && Instant::now() < deadline {
+        let Some(message) = reader.poll(Duration::from_millis(500)) else {
+            continue;
+        };
+        let message = message?;
+        let partition = usize::try_from(message.partition()).unwrap();
+        next[partition] = message.offset() + 1;
+        let id = message.headers().and_then(|h| {
+            h.iter()
+                .find(|h| h.key == diesel_outbox::kafka::MESSAGE_ID_HEADER)
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        });
+        if let Some(id) = id.filter(|id| keys.contains(id)) {
+            found.push(format!(
+                "{id} at partition {partition} offset {}",
+                message.offset()
+            ));
+        }
+    }
+    let committed: Vec<String> = (0..partitions)
+        .map(|p| {
+            committed
+                .find_partition(topic, p)
+                .map_or_else(|| "none".to_owned(), |e| format!("{:?}", e.offset()))
+        })
+        .collect();
+    Ok(format!(
+        "found {found:?}; read up to {next:?} of watermarks {highs:?}; group {group} \
+         committed {committed:?}"
+    ))
+}
+
 /// A message as read back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Read {

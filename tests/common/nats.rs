@@ -78,10 +78,7 @@ impl TestStream {
             storage: stream::StorageType::File,
             ..Default::default()
         });
-        jetstream
-            .create_stream(config)
-            .await
-            .expect("create stream");
+        create_stream(&jetstream, config).await;
         TestStream {
             name,
             prefix,
@@ -130,6 +127,37 @@ impl TestStream {
             out.push(next.message);
         }
         out
+    }
+}
+
+/// Creates the stream `config` describes. nats-server answers a failure to make the
+/// stream's file store with no more than "error creating store for stream" (its cause goes
+/// to its own log only), and a loaded server has given that answer for a fresh stream:
+/// tried again for up to 20 s, then the panic quotes the server log's warnings.
+pub async fn create_stream(jetstream: &jetstream::Context, config: stream::Config) {
+    use async_nats::jetstream::context::CreateStreamErrorKind;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let err = match jetstream.create_stream(config.clone()).await {
+            Ok(_) => return,
+            Err(err) => err,
+        };
+        let store_failed = matches!(
+            err.kind(),
+            CreateStreamErrorKind::JetStream(e)
+                if e.error_code() == jetstream::ErrorCode::STREAM_CREATE
+        );
+        if !store_failed || std::time::Instant::now() >= deadline {
+            let warnings: Vec<String> = std::fs::read_to_string("/var/log/nats-server.log")
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("[WRN]") || l.contains("[ERR]"))
+                .map(str::to_owned)
+                .collect();
+            let last = &warnings[warnings.len().saturating_sub(10)..];
+            panic!("create stream: {err:?}; the local server's last warnings: {last:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

@@ -193,16 +193,16 @@ impl Broker {
                 let js = jetstream::new(common::nats::connect().await);
                 let stream_name = name.to_uppercase();
                 let prefix = format!("{name}.");
-                let created = js
-                    .create_stream(stream::Config {
-                        name: stream_name.clone(),
-                        subjects: vec![format!("{prefix}>")],
-                        storage: stream::StorageType::File,
-                        ..Default::default()
-                    })
+                let config = stream::Config {
+                    name: stream_name.clone(),
+                    subjects: vec![format!("{prefix}>")],
+                    storage: stream::StorageType::File,
+                    ..Default::default()
+                };
+                common::nats::create_stream(&js, config).await;
+                js.get_stream(&stream_name)
                     .await
-                    .unwrap();
-                created
+                    .unwrap()
                     .create_consumer(consumer::pull::Config {
                         durable_name: Some(CONSUMER.into()),
                         ack_policy: consumer::AckPolicy::Explicit,
@@ -345,6 +345,23 @@ impl Broker {
                 let info = consumer.info().await.unwrap();
                 info.num_pending + info.num_ack_pending as u64
             }
+        }
+    }
+
+    /// Where the broker holds the messages with idempotency keys `keys`, as far as it can
+    /// tell (a RabbitMQ queue or a JetStream stream is not searched).
+    pub(crate) async fn locate(&self, keys: &[String]) -> String {
+        match self {
+            Broker::Kafka { brokers, topic, .. } => {
+                let (brokers, topic, keys) = (brokers.clone(), topic.clone(), keys.to_vec());
+                tokio::task::spawn_blocking(move || {
+                    common::kafka::locate(&brokers, CONSUMER, &topic, PARTITIONS, &keys)
+                        .unwrap_or_else(|e| format!("not read: {e}"))
+                })
+                .await
+                .unwrap()
+            }
+            _ => "not searched on this broker".to_owned(),
         }
     }
 

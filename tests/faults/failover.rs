@@ -72,7 +72,7 @@ pub(crate) async fn run(tier: Tier) {
     for w in writers {
         w.await.unwrap();
     }
-    let drained_in = harness::wait_drained(&db, &log).await;
+    let drained_in = harness::wait_drained(&db, &log, &broker).await;
     listen_followed(&db, &log, app_name).await;
     relays.stop_all();
     broker.wait_consumed().await;

@@ -485,8 +485,9 @@ async fn committed_order(conn: &mut AsyncPgConnection, schema: &str, key: &str) 
 }
 
 /// Waits until nothing is pending or leased and every committed message was delivered;
-/// returns how long that took.
-pub(crate) async fn wait_drained(db: &Db, log: &Log) -> Duration {
+/// returns how long that took. If that never happens, panics naming the committed messages
+/// that never came, their rows, and where the broker holds them (if it can tell).
+pub(crate) async fn wait_drained(db: &Db, log: &Log, broker: &Broker) -> Duration {
     let started = Instant::now();
     let mut conn = db.connect().await;
     let written = log.written();
@@ -503,13 +504,49 @@ pub(crate) async fn wait_drained(db: &Db, log: &Log) -> Duration {
         if stats.pending == 0 && stats.in_flight == 0 && delivered.len() >= written {
             return started.elapsed();
         }
-        assert!(
-            Instant::now() < deadline,
-            "not drained: {stats:?}, {} of {written} delivered",
-            delivered.len()
-        );
+        if Instant::now() >= deadline {
+            let missing = undelivered(&mut conn, db, &delivered).await;
+            let keys: Vec<String> = missing.iter().map(|(key, _)| key.clone()).collect();
+            let found = broker.locate(&keys).await;
+            panic!(
+                "not drained: {stats:?}, {} of {written} delivered; committed and never \
+                 delivered (at most 20): {missing:?}; at the broker: {found}",
+                delivered.len()
+            );
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Up to 20 committed messages not in `delivered`: each key with its outbox row (id,
+/// status, attempts, fencing token), or `None` if it has none.
+async fn undelivered(
+    conn: &mut AsyncPgConnection,
+    db: &Db,
+    delivered: &HashSet<String>,
+) -> Vec<(String, Option<String>)> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        key: String,
+        #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+        row: Option<String>,
+    }
+    let rows: Vec<Row> = diesel::sql_query(format!(
+        "SELECT o.key, format('id %s, status %s, attempts %s, token %s', m.id, m.status, \
+         m.attempts, m.fencing_token) AS row FROM {schema}.orders o \
+         LEFT JOIN {table} m ON m.idempotency_key = o.key ORDER BY m.id",
+        schema = db.schema,
+        table = db.table()
+    ))
+    .load(conn)
+    .await
+    .unwrap_or_default();
+    rows.into_iter()
+        .filter(|r| !delivered.contains(&r.key))
+        .take(20)
+        .map(|r| (r.key, r.row))
+        .collect()
 }
 
 /// What a run did, for the checker's report.

@@ -148,7 +148,7 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
 
     // Faults stop; everything must drain.
     relays.revive();
-    let drained_in = harness::wait_drained(&db, &log).await;
+    let drained_in = harness::wait_drained(&db, &log, &broker).await;
     relays.stop_all();
     // Every publish is confirmed by now, late duplicates of stale relays included.
     broker.wait_consumed().await;
