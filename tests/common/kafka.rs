@@ -372,6 +372,8 @@ pub fn locate(
     reader.assign(&wanted)?;
     let mut next = vec![0i64; usize::try_from(partitions).unwrap()];
     let mut found = Vec::new();
+    // Messages a consumer skips: no idempotency key.
+    let mut keyless = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     while next.iter().zip(&highs).any(|(n, (_, high))| n < high) && Instant::now() < deadline {
         let Some(message) = reader.poll(Duration::from_millis(500)) else {
@@ -386,11 +388,15 @@ pub fn locate(
                 .and_then(|h| h.value)
                 .map(|v| String::from_utf8_lossy(v).into_owned())
         });
-        if let Some(id) = id.filter(|id| keys.contains(id)) {
-            found.push(format!(
-                "{id} at partition {partition} offset {}",
-                message.offset()
-            ));
+        match id {
+            Some(id) if keys.contains(&id) => {
+                found.push(format!(
+                    "{id} at partition {partition} offset {}",
+                    message.offset()
+                ));
+            }
+            Some(_) => {}
+            None => keyless.push((partition, message.offset())),
         }
     }
     let committed: Vec<String> = (0..partitions)
@@ -401,8 +407,8 @@ pub fn locate(
         })
         .collect();
     Ok(format!(
-        "found {found:?}; read up to {next:?} of watermarks {highs:?}; group {group} \
-         committed {committed:?}"
+        "found {found:?}; without an idempotency key (partition, offset): {keyless:?}; \
+         read up to {next:?} of watermarks {highs:?}; group {group} committed {committed:?}"
     ))
 }
 

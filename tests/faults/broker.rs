@@ -318,10 +318,10 @@ impl Broker {
     pub(crate) async fn wait_consumed(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         while self.depth().await > 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the consumer never emptied the queue"
-            );
+            if Instant::now() >= deadline {
+                let positions = self.locate(&[]).await;
+                panic!("the consumer never emptied the queue; at the broker: {positions}");
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
