@@ -199,7 +199,11 @@ impl Env {
             .env("DATABASE_URL", &self.database_url)
             .envs(envs.iter().copied())
             // lapin logs every failed reconnect as an error; the relay reports outages itself.
-            .env("RUST_LOG", "warn,lapin=off")
+            // `BENCH_RELAY_LOG` replaces that filter (to see what a relay did, say).
+            .env(
+                "RUST_LOG",
+                std::env::var("BENCH_RELAY_LOG").unwrap_or_else(|_| "warn,lapin=off".into()),
+            )
             .stdout(std::process::Stdio::null())
             .spawn()?;
         if let Err(e) = self.wait_idle(outbox).await {

@@ -6,7 +6,11 @@
 //! cargo bench --bench outbox --features cli -- --only throughput,writers   # or a,c
 //! cargo bench --bench outbox --features cli -- --only a --sslmode require  # over TLS
 //! cargo bench --bench outbox --features cli -- --engine per-row,log   # both engines
+//! BENCH_RELAY_LOG=info,lapin=off cargo bench --bench outbox --features cli -- --only i
 //! ```
+//!
+//! The relay processes log to the run's stderr at `warn` (`BENCH_RELAY_LOG` sets their
+//! `RUST_LOG` instead).
 //!
 //! One file per scenario, named by what it measures; `fixture` holds what they run on and
 //! `measure` how CPU, memory and percentiles are taken. Finds PostgreSQL, RabbitMQ and NATS
