@@ -78,7 +78,10 @@ pub mod kafka {
     //! every message before it is settled too, so a crash or a rebalance redelivers what
     //! was not done (and the dedupe absorbs what was). Order is kept per partition, and so
     //! per aggregate (the relay keys each message by its aggregate). A partition taken away
-    //! by a rebalance commits nothing more from this member.
+    //! by a rebalance commits nothing more from this member. Commits are asynchronous: one
+    //! that fails is logged and made again when the partition's next message settles;
+    //! until then (for the last messages of a partition, until a restart) the group's lag
+    //! counts them and a restart or rebalance delivers them again.
     //!
     //! Hazards: Kafka keeps no dead letters: a message the handler rejects, or one without
     //! `x-outbox-message-id` (which cannot be deduplicated), is logged and skipped.

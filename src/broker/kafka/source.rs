@@ -9,6 +9,7 @@ use futures_util::future::BoxFuture;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
+use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 
@@ -17,6 +18,7 @@ use super::{Observed, Sasl, Security, brokers};
 use crate::consumer::{Delivery, Incoming, Settle};
 use crate::error::BoxError;
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+use crate::streak::{Loudness, Streak};
 use crate::tls::Tls;
 
 /// How long `verify` waits for the list of topics.
@@ -116,6 +118,7 @@ impl Source {
             .create_with_context(Tracked {
                 offsets: self.offsets.clone(),
                 observed: Observed::default(),
+                commits: Mutex::default(),
             })
             .map_err(|e| format!("the Kafka consumer for {endpoint}: {e}"))?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
@@ -325,17 +328,29 @@ impl Offsets {
         })
     }
 
+    /// A commit of `position` failed: if it was the partition's latest, the next settle
+    /// commits again (even at the same position), since the group may not have it.
+    fn commit_failed(&mut self, topic: &str, partition: i32, position: i64) {
+        if let Some(part) = self.partitions.get_mut(&(topic.to_owned(), partition))
+            && part.committed == position
+        {
+            part.committed = i64::MIN;
+        }
+    }
+
     /// The partition went to another member: what was handed out here commits nothing.
     fn forget(&mut self, topic: &str, partition: i32) {
         self.partitions.remove(&(topic.to_owned(), partition));
     }
 }
 
-/// The consumer's context: forgets revoked partitions before they go, and routes
+/// The consumer's context: forgets revoked partitions before they go, notes failed
+/// commits (logged as a streak, and made again at the partition's next settle), and routes
 /// librdkafka's log lines and errors as [`Observed`] does.
 struct Tracked {
     offsets: Arc<Mutex<Offsets>>,
     observed: Observed,
+    commits: Mutex<Streak>,
 }
 
 impl ClientContext for Tracked {
@@ -349,6 +364,53 @@ impl ClientContext for Tracked {
 }
 
 impl ConsumerContext for Tracked {
+    fn commit_callback(&self, result: KafkaResult<()>, committed: &TopicPartitionList) {
+        let failed: Vec<_> = committed
+            .elements()
+            .into_iter()
+            .filter(|e| result.is_err() || e.error().is_err())
+            .collect();
+        let mut streak = self.commits.lock().unwrap_or_else(PoisonError::into_inner);
+        if failed.is_empty() {
+            if let Some(failing_for) = streak.ended() {
+                tracing::info!(failing_for = ?failing_for, "Kafka offset commits work again");
+            }
+            return;
+        }
+        {
+            let mut offsets = lock(&self.offsets);
+            for e in &failed {
+                if let Some(position) = e.offset().to_raw() {
+                    offsets.commit_failed(e.topic(), e.partition(), position);
+                }
+            }
+        }
+        let why = match &result {
+            Err(e) => e.to_string(),
+            Ok(()) => failed
+                .iter()
+                .find_map(|e| e.error().err())
+                .map(|e| e.to_string())
+                .unwrap_or_default(),
+        };
+        let partitions = failed.len();
+        match streak.failed() {
+            Loudness::First => tracing::warn!(
+                error = %why, partitions,
+                "a Kafka offset commit failed: the partition's next settled message commits \
+                 again; until then a restart or rebalance delivers its messages again (the \
+                 dedupe absorbs them)"
+            ),
+            Loudness::Again(failing_for) => tracing::error!(
+                error = %why, partitions, failing_for = ?failing_for,
+                "Kafka offset commits still fail"
+            ),
+            Loudness::Quiet => {
+                tracing::debug!(error = %why, partitions, "a Kafka offset commit failed")
+            }
+        }
+    }
+
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(revoked) = rebalance {
             let mut offsets = lock(&self.offsets);
@@ -421,5 +483,26 @@ mod tests {
         assert_ne!(again, epoch);
         assert_eq!(offsets.settled("t", 0, 13, epoch), None);
         assert_eq!(offsets.settled("t", 0, 13, again), Some(14));
+    }
+
+    #[test]
+    fn a_failed_commit_is_made_again_at_the_next_settle() {
+        let mut offsets = Offsets::default();
+        let epoch = offsets.handed("t", 0, 10);
+        offsets.handed("t", 0, 11);
+        offsets.handed("t", 0, 12);
+        assert_eq!(offsets.settled("t", 0, 10, epoch), Some(11));
+        // An older commit failing says nothing once a later one was asked for.
+        assert_eq!(offsets.settled("t", 0, 11, epoch), Some(12));
+        offsets.commit_failed("t", 0, 11);
+        // The latest failing: the next settle commits, though 12 is still open.
+        offsets.commit_failed("t", 0, 12);
+        offsets.handed("t", 0, 13);
+        assert_eq!(offsets.settled("t", 0, 13, epoch), Some(12));
+        assert_eq!(offsets.settled("t", 0, 12, epoch), Some(14));
+        // A partition this member no longer holds: nothing to note.
+        offsets.forget("t", 0);
+        offsets.commit_failed("t", 0, 14);
+        assert!(offsets.partitions.is_empty());
     }
 }
