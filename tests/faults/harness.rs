@@ -533,9 +533,10 @@ async fn undelivered(
         row: Option<String>,
     }
     let rows: Vec<Row> = diesel::sql_query(format!(
-        "SELECT o.key, format('id %s, status %s, attempts %s, token %s', m.id, m.status, \
-         m.attempts, m.fencing_token) AS row FROM {schema}.orders o \
-         LEFT JOIN {table} m ON m.idempotency_key = o.key ORDER BY m.id",
+        "SELECT o.key, CASE WHEN m.id IS NOT NULL THEN format('id %s, status %s, \
+         attempts %s, token %s', m.id, m.status, m.attempts, m.fencing_token) END AS row \
+         FROM {schema}.orders o LEFT JOIN {table} m ON m.idempotency_key = o.key \
+         ORDER BY m.id",
         schema = db.schema,
         table = db.table()
     ))
