@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
@@ -308,18 +309,19 @@ impl Drop for TlsTansu {
     }
 }
 
-/// Messages of `topic` (partitions `0..partitions`) that consumer group `group` has not
-/// committed past: per partition, the high watermark less the group's committed offset
-/// (none: the whole partition). Offsets, not counts: compare it with 0 only.
-pub fn lag(
+/// A partition's committed offset (`None`: nothing committed) and high watermark.
+type Position = (Option<i64>, i64);
+
+/// A client of group `group` that reads its commits (it never subscribes, so it never
+/// joins), and for each partition of `topic` (`0..partitions`) the group's committed
+/// offset (`None`: nothing committed) and the high watermark.
+fn positions(
     brokers: &str,
     group: &str,
     topic: &str,
     partitions: i32,
-) -> Result<u64, rdkafka::error::KafkaError> {
-    use rdkafka::consumer::BaseConsumer;
+) -> Result<(BaseConsumer, Vec<Position>), KafkaError> {
     let timeout = Duration::from_secs(10);
-    // Of the group, to read its commits; never subscribing, so never a member.
     let reader: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", group)
@@ -330,17 +332,27 @@ pub fn lag(
         wanted.add_partition(topic, partition);
     }
     let committed = reader.committed_offsets(wanted, timeout)?;
-    let mut lag = 0;
+    let mut positions = Vec::new();
     for partition in 0..partitions {
         let (_, high) = reader.fetch_watermarks(topic, partition, timeout)?;
         let done = committed
             .find_partition(topic, partition)
             .and_then(|p| p.offset().to_raw())
-            .filter(|o| *o >= 0)
-            .unwrap_or(0);
-        lag += u64::try_from(high - done).unwrap_or(0);
+            .filter(|o| *o >= 0);
+        positions.push((done, high));
     }
-    Ok(lag)
+    Ok((reader, positions))
+}
+
+/// Messages of `topic` (partitions `0..partitions`) that consumer group `group` has not
+/// committed past: per partition, the high watermark less the group's committed offset
+/// (none: the whole partition). Offsets, not counts: compare it with 0 only.
+pub fn lag(brokers: &str, group: &str, topic: &str, partitions: i32) -> Result<u64, KafkaError> {
+    let (_, positions) = positions(brokers, group, topic, partitions)?;
+    Ok(positions
+        .iter()
+        .map(|(done, high)| u64::try_from(high - done.unwrap_or(0)).unwrap_or(0))
+        .sum())
 }
 
 /// Where `topic` (partitions `0..partitions`) holds the messages whose idempotency key is
@@ -352,30 +364,19 @@ pub fn locate(
     topic: &str,
     partitions: i32,
     keys: &[String],
-) -> Result<String, rdkafka::error::KafkaError> {
-    use rdkafka::consumer::BaseConsumer;
-    let timeout = Duration::from_secs(10);
-    let reader: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()?;
-    let mut wanted = TopicPartitionList::new();
+) -> Result<String, KafkaError> {
+    let (reader, positions) = positions(brokers, group, topic, partitions)?;
+    let mut everything = TopicPartitionList::new();
     for partition in 0..partitions {
-        wanted.add_partition_offset(topic, partition, Offset::Beginning)?;
+        everything.add_partition_offset(topic, partition, Offset::Beginning)?;
     }
-    let committed = reader.committed_offsets(wanted.clone(), timeout)?;
-    let mut highs = Vec::new();
-    for partition in 0..partitions {
-        highs.push(reader.fetch_watermarks(topic, partition, timeout)?);
-    }
-    reader.assign(&wanted)?;
-    let mut next = vec![0i64; usize::try_from(partitions).unwrap()];
+    reader.assign(&everything)?;
+    let mut next = vec![0i64; positions.len()];
     let mut found = Vec::new();
     // Messages a consumer skips: no idempotency key.
     let mut keyless = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while next.iter().zip(&highs).any(|(n, (_, high))| n < high) && Instant::now() < deadline {
+    while next.iter().zip(&positions).any(|(n, (_, high))| n < high) && Instant::now() < deadline {
         let Some(message) = reader.poll(Duration::from_millis(500)) else {
             continue;
         };
@@ -399,16 +400,9 @@ pub fn locate(
             None => keyless.push((partition, message.offset())),
         }
     }
-    let committed: Vec<String> = (0..partitions)
-        .map(|p| {
-            committed
-                .find_partition(topic, p)
-                .map_or_else(|| "none".to_owned(), |e| format!("{:?}", e.offset()))
-        })
-        .collect();
     Ok(format!(
         "found {found:?}; without an idempotency key (partition, offset): {keyless:?}; \
-         read up to {next:?} of watermarks {highs:?}; group {group} committed {committed:?}"
+         read up to {next:?} of (committed, high watermark) {positions:?} for group {group}"
     ))
 }
 
