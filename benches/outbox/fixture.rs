@@ -244,12 +244,12 @@ impl Env {
             .await?;
             let started = Instant::now();
             let window = self.cpu(Some(child.id()));
-            let done = self
-                .wait_sent(outbox, n as u64, Duration::from_secs(600))
-                .await?;
+            let done = self.wait_drained(outbox, Duration::from_secs(600)).await?;
+            let cpu = window.used(n);
+            self.check_sent(outbox, n as u64).await?;
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Drained {
                 rate: n as f64 / (done - started).as_secs_f64(),
-                cpu: window.used(n),
+                cpu,
                 // The high-water mark since the process started.
                 peak_rss_kib: status_kib(child.id(), "VmHWM:"),
             })
@@ -259,23 +259,18 @@ impl Env {
         drained
     }
 
-    /// Polls (cheaply, so the poll does not load the database) until no row is pending,
-    /// then checks that `n` were sent and none died; returns when the last one was sent.
-    pub(crate) async fn wait_sent(
-        &mut self,
-        outbox: &Outbox,
-        n: u64,
-        limit: Duration,
-    ) -> BoxResult<Instant> {
-        let done = self.wait_drained(outbox, limit).await?;
+    /// Checks, once a relay drained `outbox`, that `n` rows were sent and none died. It
+    /// comes after a figure's CPU window is read: `stats` is no part of relaying.
+    pub(crate) async fn check_sent(&mut self, outbox: &Outbox, n: u64) -> BoxResult<()> {
         let stats = outbox.stats(&mut self.conn).await?;
         if (stats.sent < n && !stats.sent_is_estimate) || stats.dead > 0 {
             return Err(format!("expected {n} sent, found {stats:?}").into());
         }
-        Ok(done)
+        Ok(())
     }
 
-    /// Polls, as [`Env::wait_sent`] does, until no row of `outbox` is pending.
+    /// Polls (cheaply, so the poll does not load the database) until no row of `outbox` is
+    /// pending; returns when the last one was sent.
     pub(crate) async fn wait_drained(
         &mut self,
         outbox: &Outbox,

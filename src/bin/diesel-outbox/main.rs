@@ -99,12 +99,12 @@ enum Command {
     Redrive(ops::RedriveArgs),
     /// Delete old sent rows and inbox (dedupe) records.
     Purge(ops::PurgeArgs),
-    /// Run a relay to RabbitMQ or NATS JetStream until SIGINT or SIGTERM, then drain and
-    /// exit.
+    /// Run a relay to RabbitMQ, NATS JetStream or Kafka until SIGINT or SIGTERM, then drain
+    /// and exit.
     Relay(Box<relay::RelayArgs>),
     /// Declare what the relay and its consumers need on the broker (RabbitMQ: the exchange,
-    /// queues and their dead letters; NATS: the stream and durable consumers); safe to
-    /// run again.
+    /// queues and their dead letters; NATS: the stream and durable consumers; Kafka: the
+    /// topics and their partitions); safe to run again.
     Declare(Box<broker::DeclareArgs>),
 }
 
