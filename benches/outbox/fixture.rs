@@ -244,9 +244,9 @@ impl Env {
             .await?;
             let started = Instant::now();
             let window = self.cpu(Some(child.id()));
-            let done = self.wait_drained(outbox, Duration::from_secs(600)).await?;
-            let cpu = window.used(n);
-            self.check_sent(outbox, n as u64).await?;
+            let (done, cpu) = self
+                .wait_sent(outbox, n as u64, Duration::from_secs(600), &window, n)
+                .await?;
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Drained {
                 rate: n as f64 / (done - started).as_secs_f64(),
                 cpu,
@@ -259,14 +259,25 @@ impl Env {
         drained
     }
 
-    /// Checks, once a relay drained `outbox`, that `n` rows were sent and none died. It
-    /// comes after a figure's CPU window is read: `stats` is no part of relaying.
-    pub(crate) async fn check_sent(&mut self, outbox: &Outbox, n: u64) -> BoxResult<()> {
+    /// Polls as [`Env::wait_drained`] does, reads `window` for `items` messages as soon as
+    /// nothing is pending, then checks that `n` rows were sent and none died: the check
+    /// (`stats`) is no part of relaying, so it stays out of the window. Returns when the
+    /// last one was sent, and the CPU used until then.
+    pub(crate) async fn wait_sent(
+        &mut self,
+        outbox: &Outbox,
+        n: u64,
+        limit: Duration,
+        window: &Cpu,
+        items: usize,
+    ) -> BoxResult<(Instant, CpuUse)> {
+        let done = self.wait_drained(outbox, limit).await?;
+        let used = window.used(items);
         let stats = outbox.stats(&mut self.conn).await?;
         if (stats.sent < n && !stats.sent_is_estimate) || stats.dead > 0 {
             return Err(format!("expected {n} sent, found {stats:?}").into());
         }
-        Ok(())
+        Ok((done, used))
     }
 
     /// Polls (cheaply, so the poll does not load the database) until no row of `outbox` is

@@ -56,9 +56,10 @@ pub(crate) async fn history(env: &mut Env) -> BoxResult<Figure> {
                 .build()?,
         );
         let total = n as u64 + if with_history { history_rows as u64 } else { 0 };
-        let done = env.wait_drained(&outbox, Duration::from_secs(300)).await?;
-        cpu.push(window.used(n).json());
-        env.check_sent(&outbox, total).await?;
+        let (done, used) = env
+            .wait_sent(&outbox, total, Duration::from_secs(300), &window, n)
+            .await?;
+        cpu.push(used.json());
         rates.push(n as f64 / (done - started).as_secs_f64());
         relay.stop().await?;
     }

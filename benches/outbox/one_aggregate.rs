@@ -27,9 +27,10 @@ pub(crate) async fn one_aggregate(env: &mut Env) -> BoxResult<Vec<Figure>> {
                 .batch_size(256)
                 .build()?,
         );
-        let done = env.wait_drained(&outbox, Duration::from_secs(300)).await?;
-        cpu.push(window.used(n).json());
-        env.check_sent(&outbox, n as u64).await?;
+        let (done, used) = env
+            .wait_sent(&outbox, n as u64, Duration::from_secs(300), &window, n)
+            .await?;
+        cpu.push(used.json());
         rates.push(n as f64 / (done - started).as_secs_f64());
         relay.stop().await?;
         env.purge(&queue).await?;
