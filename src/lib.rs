@@ -258,7 +258,7 @@ pub use crate::broker::nats;
 #[cfg(feature = "rabbitmq")]
 pub use crate::broker::rabbitmq;
 pub use crate::connect::{
-    checkout, connection_manager, establish, establish_without_statement_cache,
+    PgPool, checkout, connection_manager, establish, establish_without_statement_cache,
 };
 pub use crate::engine::Engine;
 pub use crate::enqueue::EnqueueExt;
@@ -275,7 +275,7 @@ pub use crate::publisher::{
     AGGREGATE_HEADER, ATTEMPT_HEADER, BatchResults, FnPublisher, PublishError, Publisher, Record,
     publisher_fn,
 };
-pub use crate::relay::{PgPool, Relay, RelayBuilder};
+pub use crate::relay::{Relay, RelayBuilder};
 pub use crate::schema::harness::{MIGRATIONS, OutboxMigrations};
 pub use crate::schema::migrate::MigrationFiles;
 pub use crate::sql::WAKE_LOCK_CLASS;

@@ -151,10 +151,10 @@ use std::time::Duration;
 use diesel_async::AsyncPgConnection;
 use futures_util::future::BoxFuture;
 
+use crate::connect::PgPool;
 use crate::error::{BoxError, Error, Result};
 use crate::metrics::{Metrics, NoMetrics};
 use crate::outbox::Outbox;
-use crate::relay::PgPool;
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub(crate) use self::source::Reconnecting;

@@ -4,14 +4,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::PgPool;
+use super::store::Store;
 use crate::metrics::Metrics;
-use crate::outbox::Outbox;
 
-/// Refreshes the gauges forever, at `interval`, on a fresh checkout each time.
+/// Refreshes the gauges of `table` forever, at `interval`.
 pub(crate) async fn run(
-    outbox: Outbox,
-    pool: PgPool,
+    table: String,
+    store: Arc<dyn Store>,
     metrics: Arc<dyn Metrics>,
     interval: Duration,
 ) {
@@ -19,14 +18,10 @@ pub(crate) async fn run(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let reading = async {
-            let mut conn = crate::checkout(&pool).await?;
-            outbox.stats(&mut conn).await
-        };
-        match reading.await {
+        match store.stats().await {
             Ok(stats) => metrics.stats(&stats),
             Err(e) => {
-                tracing::debug!(table = %outbox.table(), error = %e, "reading stats for the gauges failed")
+                tracing::debug!(table = %table, error = %e, "reading stats for the gauges failed")
             }
         }
     }

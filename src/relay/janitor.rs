@@ -6,7 +6,7 @@ use crate::ops::Purge;
 use crate::outbox::Outbox;
 use crate::sql::Sql;
 
-use super::PgPool;
+use crate::connect::PgPool;
 
 /// Rows per delete statement: small, so no statement holds locks for long.
 const BATCH: i64 = 500;

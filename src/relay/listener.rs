@@ -29,8 +29,8 @@ use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 use tokio::sync::{Notify, watch};
 
-use super::PgPool;
 use crate::backoff::Backoff;
+use crate::connect::PgPool;
 use crate::health::Vitals;
 use crate::sql::{NoParams, Sql, TableName, WAKE_LOCK_CLASS};
 use crate::streak::{Loudness, Streak};

@@ -10,17 +10,18 @@ pub(crate) mod log;
 mod options;
 mod outage;
 mod outcome;
+pub(crate) mod per_row;
 pub(crate) mod presence;
 mod publish;
 mod run;
-pub(crate) mod store;
+mod store;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use diesel_async::AsyncPgConnection;
+use crate::connect::PgPool;
 use tokio::sync::watch;
 
 use crate::error::Result;
@@ -30,16 +31,12 @@ use crate::outbox::Outbox;
 use crate::publisher::Publisher;
 
 use self::held::Held;
+use self::log::LogEngine;
 use self::options::Options;
 use self::outage::Outage;
+use self::per_row::PerRow;
 use self::publish::Slot;
-use self::store::{PgStore, Store};
-
-/// The connection pool a relay takes its connections from.
-///
-/// bb8 tests each checkout with a round trip by default; for the relay's hot path build it
-/// with `.test_on_check_out(false)` (broken connections are still detected and replaced).
-pub type PgPool = diesel_async::pooled_connection::bb8::Pool<AsyncPgConnection>;
+use self::store::Store;
 
 impl Outbox {
     /// A relay for this table, publishing through `publisher`, with connections from
@@ -187,15 +184,11 @@ impl<P: Publisher> RelayBuilder<P> {
     /// # Errors
     /// [`Error::InvalidOption`](crate::Error::InvalidOption) naming the option and its valid range.
     pub fn build(self) -> Result<Relay<P>> {
-        let store = Arc::new(PgStore {
+        let per_row = PerRow {
             outbox: self.outbox.clone(),
             pool: self.pool.clone(),
-            log: log::Log::new(
-                self.outbox.clone(),
-                self.pool.clone(),
-                uuid::Uuid::new_v4().to_string(),
-            ),
-        });
+        };
+        let store = Arc::new(LogEngine::new(per_row, uuid::Uuid::new_v4().to_string()));
         self.build_on(store)
     }
 
@@ -332,7 +325,7 @@ impl<P: Publisher> Relay<P> {
     /// A database or pool error, or [`Error::NotMigrated`](crate::Error::NotMigrated).
     pub async fn run_once(&self) -> Result<usize> {
         let claimed = self.one_cycle().await;
-        self.inner.store.give_back().await;
+        self.inner.store.leave().await;
         claimed
     }
 

@@ -15,12 +15,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::Relay;
-use super::limits::MAX_STALLED;
-use super::log::Page;
+use super::limits::{MAX_STALLED, RECORD_GRACE};
 use super::outcome::{Claimed, Outcome};
-use super::store::Batch;
+use super::store::{Batch, End, Finish};
+use crate::error::Error;
 use crate::publisher::{BatchResults, PublishError, Publisher, Record};
-use crate::shutdown::until_stopped;
+use crate::shutdown::{retry_until, until_stopped};
 use tracing::Instrument;
 
 /// A batch whose wave has run this long with nothing left to start is stalled: it gives its
@@ -179,10 +179,10 @@ impl Drain {
 struct Outcomes<P> {
     relay: Relay<P>,
     pending: Vec<Outcome>,
-    /// The batch's page of the log, and its rows' outcomes: recorded all at once, when the
-    /// batch is over, by finishing the page (see `relay::log`).
-    page: Option<Page>,
-    log: Vec<Outcome>,
+    /// The part of the batch settled all at once when the batch is over (a page of the
+    /// log), and the outcomes of its records.
+    finish: Option<Box<dyn Finish>>,
+    kept: Vec<Outcome>,
     flushing: Option<JoinHandle<()>>,
     stalled: bool,
     /// Recording keeps trying until then: a lease after the leases end (a late outcome
@@ -194,8 +194,8 @@ struct Outcomes<P> {
 
 impl<P: Publisher> Outcomes<P> {
     fn push(&mut self, outcome: Outcome) {
-        if self.page.as_ref().is_some_and(|p| p.holds(outcome.id)) {
-            self.log.push(outcome);
+        if self.finish.as_ref().is_some_and(|f| f.holds(outcome.id)) {
+            self.kept.push(outcome);
         } else {
             self.pending.push(outcome);
         }
@@ -237,23 +237,15 @@ impl<P: Publisher> Outcomes<P> {
         if let Some(flush) = self.flushing.take() {
             let _ = flush.await;
         }
-        if let Some(page) = self.page.take() {
-            let outage = self.relay.inner.outage.since().is_some();
-            let fenced = page
-                .finish(
-                    std::mem::take(&mut self.log),
-                    outage,
-                    self.record_by,
-                    self.stop.clone(),
-                )
-                .await;
+        if let Some(finish) = self.finish.take() {
+            let end = End {
+                outage: self.relay.inner.outage.since().is_some(),
+                by: self.record_by,
+                stop: self.stop.clone(),
+            };
+            let fenced = finish.finish(std::mem::take(&mut self.kept), end).await;
             if fenced > 0 {
-                let inner = &self.relay.inner;
-                tracing::warn!(
-                    table = %inner.outbox.table(), fenced,
-                    "page outcomes discarded: another relay took the log's cursor over"
-                );
-                inner.metrics.fenced(fenced);
+                self.relay.inner.metrics.fenced(fenced);
             }
         }
     }
@@ -272,6 +264,51 @@ struct Wave<'a> {
 }
 
 impl<P: Publisher> Relay<P> {
+    /// Records outcomes, retrying until `by` (or for [`RECORD_GRACE`], when `by` has
+    /// passed already), or until [`RECORD_GRACE`] after `stop` turns true: a row whose
+    /// outcome is lost stays leased until its lease ends and is then published again.
+    pub(super) async fn record(
+        &self,
+        outcomes: &[Outcome],
+        by: Instant,
+        stop: Option<watch::Receiver<bool>>,
+    ) {
+        if outcomes.is_empty() {
+            return;
+        }
+        let inner = &self.inner;
+        let started = Instant::now();
+        // A batch past its deadline (its relay was paused, say) still gets one try: if no
+        // relay took its rows over, its outcomes count; if one did, fencing discards them.
+        let recorded = retry_until(
+            by,
+            RECORD_GRACE,
+            stop,
+            || inner.store.record(outcomes),
+            |e: &Error, attempt| {
+                tracing::warn!(table = %inner.outbox.table(), error = %e, attempt, "recording outcomes failed; retrying");
+            },
+        );
+        match recorded.await {
+            Some(fenced) => {
+                tracing::debug!(table = %inner.outbox.table(), outcomes = outcomes.len(), took = ?started.elapsed(), "recorded");
+                if fenced > 0 {
+                    tracing::warn!(
+                        table = %inner.outbox.table(), fenced,
+                        "outcomes discarded: another relay took these rows over after our lease ended"
+                    );
+                    inner.metrics.fenced(fenced);
+                }
+            }
+            None => {
+                tracing::error!(
+                    table = %inner.outbox.table(), rows = outcomes.len(),
+                    "recording outcomes failed; the rows will be published again after their lease"
+                );
+            }
+        }
+    }
+
     /// Publishes a claimed batch and records its outcomes: dead letters for rows that cannot
     /// be published, and the publish results of the rest.
     pub(super) async fn run_batch(
@@ -288,14 +325,14 @@ impl<P: Publisher> Relay<P> {
             crash_looped,
             undecodable,
             hold,
-            page,
+            finish,
         } = batch;
         let record_by = claimed_at + 2 * inner.options.lease;
         let mut outcomes = Outcomes {
             relay: self.clone(),
             pending: Vec::with_capacity(ready.len() + undecodable.len()),
-            page,
-            log: Vec::new(),
+            finish,
+            kept: Vec::new(),
             flushing: None,
             stalled: false,
             record_by,

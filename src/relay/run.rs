@@ -31,7 +31,6 @@ use tokio::time::Instant;
 
 use super::limits::{MAX_STALLED, PIPELINE, RECORD_GRACE};
 use super::listener::{self, WATCH_RETRY, Wake, Watch};
-use super::outcome::Outcome;
 use super::presence::{IDLE_REFRESH, RunName};
 use super::publish::Slot;
 use super::store::Batch;
@@ -157,16 +156,14 @@ impl<P: Publisher> Relay<P> {
             )))
         });
 
-        let _gauges = pool
-            .zip(inner.metrics.stats_interval())
-            .map(|(pool, interval)| {
-                AbortOnDrop::new(tokio::spawn(gauges::run(
-                    inner.outbox.clone(),
-                    pool.clone(),
-                    inner.metrics.clone(),
-                    interval.max(Duration::from_millis(100)),
-                )))
-            });
+        let _gauges = inner.metrics.stats_interval().map(|interval| {
+            AbortOnDrop::new(tokio::spawn(gauges::run(
+                inner.outbox.table().to_owned(),
+                inner.store.clone(),
+                inner.metrics.clone(),
+                interval.max(Duration::from_millis(100)),
+            )))
+        });
 
         let running = Loop::new(self, &run, &stopper).run();
         let mut running = pin!(running);
@@ -199,7 +196,7 @@ impl<P: Publisher> Relay<P> {
         let started = Instant::now();
         let claiming = inner
             .store
-            .claim(&inner.options, inner.held.aged(inner.options.lease));
+            .take(&inner.options, inner.held.aged(inner.options.lease));
         let mut batch = match stop {
             None => claiming.await?,
             Some(stop) => {
@@ -553,28 +550,18 @@ impl<'a, P: Publisher> Loop<'a, P> {
                 // Started after `stop`, it releases its records untried.
                 self.start(batch, None);
             } else {
-                // The relay stops on an error: give the waiting batch back untried (a page
-                // of the log, dropped unfinished, is read again).
-                let outcomes: Vec<Outcome> = batch
-                    .ready
-                    .iter()
-                    .filter(|c| !batch.page.as_ref().is_some_and(|p| p.holds(c.record.id)))
-                    .map(|c| Outcome::release(&c.record, c.token))
-                    .collect();
+                // The relay stops on an error: give the waiting batch back untried.
                 self.relay
-                    .record(&outcomes, Instant::now() + RECORD_GRACE, None)
+                    .record(&batch.untried(), Instant::now() + RECORD_GRACE, None)
                     .await;
             }
         }
         while let Some(done) = self.in_flight.join_next().await {
             self.relay.finished(done);
         }
-        // Every page is finished: another relay may take the log's cursor at once.
-        let _ = tokio::time::timeout(
-            Duration::from_millis(500),
-            self.relay.inner.store.give_back(),
-        )
-        .await;
+        // Every batch is over: what the engine holds for the run goes back at once.
+        let _ =
+            tokio::time::timeout(Duration::from_millis(500), self.relay.inner.store.leave()).await;
         // Housekeeping only: the record lapses by itself.
         let _ = tokio::time::timeout(
             Duration::from_millis(200),
@@ -595,13 +582,14 @@ mod tests {
     use futures_util::future::BoxFuture;
 
     use super::*;
+    use crate::connect::PgPool;
     use crate::outbox::Outbox;
     use crate::publisher::{PublishError, Record};
+    use crate::relay::RelayBuilder;
     use crate::relay::options::Options;
-    use crate::relay::outcome::{Claimed, OUTCOME_RELEASE, OUTCOME_SENT};
+    use crate::relay::outcome::{Claimed, OUTCOME_RELEASE, OUTCOME_SENT, Outcome};
     use crate::relay::publish::STALL;
     use crate::relay::store::Store;
-    use crate::relay::{PgPool, RelayBuilder};
 
     #[derive(Debug)]
     struct Row {
@@ -665,7 +653,7 @@ mod tests {
     }
 
     impl Store for Memory {
-        fn claim<'a>(
+        fn take<'a>(
             &'a self,
             options: &'a Options,
             held: Vec<i64>,
@@ -740,7 +728,11 @@ mod tests {
             Box::pin(async { Ok(()) })
         }
 
-        fn pool(&self) -> Option<&crate::relay::PgPool> {
+        fn stats(&self) -> BoxFuture<'_, Result<crate::ops::Stats>> {
+            Box::pin(async { Err(crate::Error::invalid_option("no stats in memory")) })
+        }
+
+        fn pool(&self) -> Option<&crate::connect::PgPool> {
             None
         }
     }

@@ -12,7 +12,7 @@ pub(crate) struct TableStatements {
     pub(crate) enqueue: enqueue::EnqueueStatements,
     pub(crate) inbox: inbox::InboxStatements,
     pub(crate) ops: ops::OpsStatements,
-    pub(crate) store: relay::store::StoreStatements,
+    pub(crate) per_row: relay::per_row::PerRowStatements,
     pub(crate) log: relay::log::LogStatements,
     pub(crate) listener: relay::listener::ListenerStatements,
     pub(crate) presence: relay::presence::PresenceStatements,
@@ -26,7 +26,7 @@ impl TableStatements {
             enqueue: enqueue::EnqueueStatements::render(table),
             inbox: inbox::InboxStatements::render(table),
             ops: ops::OpsStatements::render(table),
-            store: relay::store::StoreStatements::render(table),
+            per_row: relay::per_row::PerRowStatements::render(table),
             log: relay::log::LogStatements::render(table),
             listener: relay::listener::ListenerStatements::render(table),
             presence: relay::presence::PresenceStatements::render(table),
@@ -52,13 +52,13 @@ impl Listed for TableStatements {
             enqueue,
             inbox,
             ops,
-            store,
+            per_row,
             log,
             listener,
             presence,
         } = self;
         let sets: [&dyn Listed; 9] = [
-            ddl, engine, enqueue, inbox, ops, store, log, listener, presence,
+            ddl, engine, enqueue, inbox, ops, per_row, log, listener, presence,
         ];
         sets.into_iter().flat_map(Listed::listed).collect()
     }

@@ -1,0 +1,242 @@
+//! The log engine ([`Engine::Log`](crate::Engine::Log)): relays read committed rows in
+//! commit order through snapshots, page by page, and finish each page with one
+//! compare-and-set of the table's cursor; the rare failed or delayed message (and its
+//! aggregate's later ones) is handed to the per-row engine, which runs beside it in the
+//! same relay. ARCHITECTURE.md gives the protocol and why each invariant holds.
+//!
+//! Its parts:
+//! - `statements.rs`: its statements, and [`PgLog`], which runs them on the pool;
+//! - `cursor.rs`: what the relay knows of the cursor (its lease, the tick, the read
+//!   position, the pages in flight), a value whose every decision is one call;
+//! - `page.rs`: reading the next page, step by step;
+//! - `finish.rs`: a page in its batch, and its finish.
+//!
+//! One relay holds the cursor at a time (its lease, renewed as it works). Pages of one
+//! tick are pipelined like per-row batches: each is read after the one before it, and
+//! finished after the one before it finished, so the cursor only moves forward and only
+//! past pages whose every message was confirmed or handed over. A tick is opened only
+//! once every page of the one before is finished.
+
+mod cursor;
+mod finish;
+mod page;
+mod statements;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use self::cursor::{Cursor, Look};
+pub(crate) use self::statements::LogStatements;
+use self::statements::{CursorRow, Guard, PageRow, PgLog};
+use super::options::Options;
+use super::outcome::Outcome;
+use super::per_row::PerRow;
+use super::store::{Batch, Store};
+use crate::connect::PgPool;
+use crate::error::Result;
+use crate::ops::Stats;
+
+/// The log's side of the table, as the engine uses it: [`PgLog`] runs its statements on
+/// the pool; the engine's unit tests script one in memory.
+pub(crate) trait LogTable: Send + Sync + 'static {
+    /// Takes the cursor's lease for `owner` (expired, given back, or already `owner`'s),
+    /// or renews it: the cursor row, or `None` when the table has no cursor or another
+    /// relay holds it.
+    fn take<'a>(
+        &'a self,
+        owner: &'a str,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Option<CursorRow>>>;
+    /// Opens the tick after `at`'s, under `at`'s token, if it is done and anything
+    /// committed since: the cursor at the new tick's start.
+    fn open_tick<'a>(
+        &'a self,
+        at: &'a CursorRow,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Option<CursorRow>>>;
+    /// Up to `limit` rows of `at`'s tick after id `from`, in id order, cut at `max_bytes`
+    /// (always one row).
+    fn read_page<'a>(
+        &'a self,
+        at: &'a CursorRow,
+        from: i64,
+        limit: usize,
+        max_bytes: usize,
+    ) -> BoxFuture<'a, Result<Vec<PageRow>>>;
+    /// Those of `keys` that are aggregates with rows on the per-row side.
+    fn pending_aggregates<'a>(
+        &'a self,
+        keys: Vec<String>,
+    ) -> BoxFuture<'a, Result<HashSet<String>>>;
+    /// Moves the cursor from `guard` to `to` (with `page_attempts`, renewing the lease)
+    /// and hands `hand_over` to the per-row side, in one transaction; false, and nothing
+    /// written, when the guard matches no row.
+    fn advance<'a>(
+        &'a self,
+        guard: Guard,
+        to: i64,
+        page_attempts: i32,
+        hand_over: &'a [Outcome],
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool>>;
+    /// Whether anything committed since the snapshot `hi`.
+    fn committed<'a>(&'a self, hi: &'a str) -> BoxFuture<'a, Result<bool>>;
+    /// Gives the lease back (`owner`'s, under `token`).
+    fn give_back<'a>(&'a self, owner: &'a str, token: i64) -> BoxFuture<'a, Result<()>>;
+}
+
+/// The log's state of one relay, shared by its batches.
+pub(crate) struct Log {
+    table: Arc<dyn LogTable>,
+    /// The outbox table's name, for the logs.
+    name: String,
+    owner: String,
+    cursor: Mutex<Cursor>,
+    /// Serialises page reads (a relay's clones running at once share one `Log`).
+    reader: tokio::sync::Mutex<()>,
+    /// Signals every finish.
+    finished: watch::Sender<()>,
+}
+
+impl std::fmt::Debug for Log {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Log").field("owner", &self.owner).finish()
+    }
+}
+
+impl Log {
+    pub(crate) fn new(table: Arc<dyn LogTable>, name: String, owner: String) -> Arc<Self> {
+        Arc::new(Log {
+            table,
+            name,
+            owner,
+            cursor: Mutex::new(Cursor::default()),
+            reader: tokio::sync::Mutex::new(()),
+            finished: watch::Sender::new(()),
+        })
+    }
+
+    fn cursor(&self) -> std::sync::MutexGuard<'_, Cursor> {
+        // Nothing panics while holding the lock; a poisoned one is still consistent.
+        self.cursor.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Changes the cursor and wakes whoever waits on a page's finish.
+    fn finished<T>(&self, change: impl FnOnce(&mut Cursor) -> T) -> T {
+        let out = change(&mut self.cursor());
+        self.finished.send_replace(());
+        out
+    }
+
+    /// Waits until `ready` holds of the cursor (checked after every finish).
+    async fn wait_until(&self, ready: impl Fn(&Cursor) -> bool) {
+        let mut changes = self.finished.subscribe();
+        loop {
+            if ready(&self.cursor()) {
+                return;
+            }
+            if changes.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Whether the log may have work: pages of the open tick left, or commits since it.
+    pub(crate) async fn has_work(&self) -> Result<bool> {
+        let look = self.cursor().look(Instant::now());
+        match look {
+            Look::Yes => Ok(true),
+            Look::No => Ok(false),
+            Look::Committed(hi) => self.table.committed(&hi).await,
+        }
+    }
+
+    /// Gives the cursor's lease back at shutdown, so another relay takes over at once.
+    pub(crate) async fn give_back(&self) {
+        let Some(token) = self.cursor().token() else {
+            return;
+        };
+        if self.table.give_back(&self.owner, token).await.is_ok() {
+            self.cursor().lose();
+        }
+    }
+}
+
+/// A relay's engine on a table: the per-row engine for what is pending (handed over, or
+/// left from the per-row engine), and the log beside it when the table has a cursor.
+pub(crate) struct LogEngine {
+    per_row: PerRow,
+    log: Arc<Log>,
+}
+
+impl LogEngine {
+    pub(crate) fn new(per_row: PerRow, owner: String) -> Self {
+        let log = Log::new(
+            Arc::new(PgLog {
+                outbox: per_row.outbox.clone(),
+                pool: per_row.pool.clone(),
+            }),
+            per_row.outbox.table().to_owned(),
+            owner,
+        );
+        LogEngine { per_row, log }
+    }
+}
+
+impl Store for LogEngine {
+    /// The per-row side's claim, then a page of the log in the room it left.
+    fn take<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>> {
+        Box::pin(async move {
+            let mut batch = self.per_row.take(options, held).await?;
+            let room = options.batch_size.saturating_sub(batch.claimed());
+            if room > 0
+                && let Some(read) = self.log.next_page(options, room).await?
+            {
+                batch.ready.extend(read.ready);
+                batch.ready.sort_by_key(|c| c.record.id);
+                batch.undecodable.extend(read.undecodable);
+                batch.finish = Some(Box::new(read.page));
+            }
+            Ok(batch)
+        })
+    }
+
+    fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>> {
+        self.per_row.record(outcomes)
+    }
+
+    fn due(&self) -> BoxFuture<'_, Result<bool>> {
+        Box::pin(async move { Ok(self.per_row.due().await? || self.log.has_work().await?) })
+    }
+
+    fn leave(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.log.give_back())
+    }
+
+    fn stats(&self) -> BoxFuture<'_, Result<Stats>> {
+        self.per_row.stats()
+    }
+
+    fn set_state<'a>(
+        &'a self,
+        relay_id: &'a str,
+        idle: bool,
+        ttl: Duration,
+        blocked_for: Option<Duration>,
+    ) -> BoxFuture<'a, Result<()>> {
+        self.per_row.set_state(relay_id, idle, ttl, blocked_for)
+    }
+
+    fn forget<'a>(&'a self, relay_id: &'a str) -> BoxFuture<'a, Result<()>> {
+        self.per_row.forget(relay_id)
+    }
+
+    fn pool(&self) -> Option<&PgPool> {
+        self.per_row.pool()
+    }
+}
