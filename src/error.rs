@@ -118,7 +118,10 @@ impl Error {
             // 42P01 undefined_table and 42501 insufficient_privilege; diesel does not
             // expose the SQLSTATE, so match the text.
             let message = info.message();
-            if message.contains("does not exist") && message.contains("relation") {
+            // A relation, or a column a later schema version added: migrate.
+            if message.contains("does not exist")
+                && (message.contains("relation") || message.starts_with("column"))
+            {
                 return Error::NotMigrated {
                     table: table.to_owned(),
                 };

@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
@@ -27,6 +27,15 @@ fn behind(cursor: &str) -> String {
          AND o.id <= (SELECT after FROM {cursor} WHERE part = 0)))"
     )
 }
+
+/// Planner settings for a purge: walk its indexes in their order and stop at the batch.
+/// Without them, statistics that predate the rows make a bitmap scan and a sort of every
+/// retained row look cheaper, and that reads the whole retention on every round.
+const PURGE_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
+
+/// Planner settings for `stats`: index scans only, which stop at their limits (a bitmap
+/// scan reads every entry it matches before the limit applies).
+const STATS_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off";
 
 /// Beyond this many sent rows `stats` reports the planner's estimate instead of counting.
 const SENT_EXACT_LIMIT: i64 = 100_000;
@@ -78,14 +87,29 @@ impl OpsStatements {
         let relays = table.quoted_with("_relays");
         let cursor = table.quoted_with("_cursor");
         OpsStatements {
-            // On the log engine, the log's rows the cursor has not passed are pending too
-            // (read through the `(xid, id)` index from the oldest transaction the cursor
-            // may not have passed), and count toward the lag.
+            // On the log engine, the log's rows the cursor has not passed are pending too,
+            // and count toward the lag: those committed after the open tick (by their
+            // transaction ids), and the open tick's after the cursor's position (late ones
+            // by their transaction ids, the rest along the primary key), so that the read
+            // is in proportion to the backlog, not to what the cursor passed.
             stats: Sql::new(format!(
-                "WITH backlog AS MATERIALIZED (\n\
+                "WITH c AS MATERIALIZED (SELECT lo, hi, after, ceiling, walk_from FROM {cursor} WHERE part = 0),\n\
+                 backlog AS MATERIALIZED (\n\
                  \x20   SELECT o.created_at FROM {t} o WHERE o.status = 'logged' \
-                 AND o.xid >= (SELECT pg_snapshot_xmin(lo) FROM {cursor} WHERE part = 0) \
-                 AND NOT {behind}\n\
+                 AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip(hi) FROM c))\n\
+                 \x20   UNION ALL\n\
+                 \x20   SELECT o.created_at FROM {t} o WHERE o.status = 'logged' \
+                 AND o.xid >= (SELECT pg_snapshot_xmax(hi) FROM c)\n\
+                 \x20   UNION ALL\n\
+                 \x20   SELECT o.created_at FROM {t} o WHERE o.status = 'logged' \
+                 AND o.xid = ANY(ARRAY(SELECT x FROM c, pg_snapshot_xip(c.lo) AS x \
+                 WHERE pg_visible_in_snapshot(x, c.hi))) \
+                 AND o.id > (SELECT after FROM c) AND o.id <= (SELECT walk_from FROM c)\n\
+                 \x20   UNION ALL\n\
+                 \x20   SELECT o.created_at FROM {t} o \
+                 WHERE o.id > (SELECT greatest(after, walk_from) FROM c) AND o.id <= (SELECT ceiling FROM c) \
+                 AND (o.status || '') = 'logged' AND pg_visible_in_snapshot(o.xid, (SELECT hi FROM c)) \
+                 AND NOT pg_visible_in_snapshot(o.xid, (SELECT lo FROM c))\n\
                  )\n\
                  SELECT\n\
                  \x20   (SELECT count(*) FROM {t} WHERE status = 'pending' \
@@ -125,18 +149,20 @@ impl OpsStatements {
                 DeadLetters::limit
             )),
             // Sent rows by the time they were sent; on the log engine also the log's rows
-            // the cursor has passed, by the time they were enqueued, oldest transactions
-            // first: the `(xid, id)` index's order, so the scan walks it and stops.
+            // the cursor has passed, by the time they were enqueued: the oldest transactions'
+            // rows, in the `(xid, id)` index's order, of which those old enough go. So each
+            // statement reads at most a batch of the log, whatever the retention keeps; a
+            // row enqueued long before a younger one of an older transaction waits for it.
             purge_sent: Sql::new(format!(
                 "WITH sent AS MATERIALIZED (\n\
                  \x20   SELECT id FROM {t} WHERE status = 'sent' \
                  AND sent_at < now() - {age} * interval '1 microsecond'\n\
                  \x20   ORDER BY sent_at LIMIT {batch} FOR UPDATE SKIP LOCKED\n\
                  ), logged AS MATERIALIZED (\n\
-                 \x20   SELECT o.id FROM {t} o WHERE o.status = 'logged' \
-                 AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM {cursor} WHERE part = 0) \
-                 AND o.created_at < now() - {age} * interval '1 microsecond' AND {behind}\n\
-                 \x20   ORDER BY o.xid, o.id LIMIT {batch} FOR UPDATE OF o SKIP LOCKED\n\
+                 \x20   SELECT l.id FROM (SELECT o.id, o.created_at FROM {t} o WHERE o.status = 'logged' \
+                 AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM {cursor} WHERE part = 0) AND {behind}\n\
+                 \x20   ORDER BY o.xid, o.id LIMIT {batch} FOR UPDATE OF o SKIP LOCKED) AS l\n\
+                 \x20   WHERE l.created_at < now() - {age} * interval '1 microsecond'\n\
                  )\n\
                  DELETE FROM {t} WHERE id IN (SELECT id FROM sent UNION ALL SELECT id FROM logged)",
                 age = Purge::age_us,
@@ -274,13 +300,14 @@ struct KeyRow {
 impl Outbox {
     /// Gauges and lag in one statement; cost proportional to pending and dead rows, not to
     /// the table's history (sent rows are counted up to 100,000, then estimated), whatever
-    /// the planner's statistics say: it runs with sequential scans off, in a transaction (a
-    /// savepoint inside yours) that is rolled back, so the setting does not outlive it.
+    /// the planner's statistics say: it runs with sequential and bitmap scans off, in a
+    /// transaction (a savepoint inside yours) that is rolled back, so the settings do not
+    /// outlive it.
     ///
     /// # Errors
     /// [`Error::NotMigrated`] or a database error.
     pub async fn stats(&self, conn: &mut AsyncPgConnection) -> Result<Stats> {
-        use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
+        use diesel_async::{AnsiTransactionManager, TransactionManager};
         let query = self.statements().ops.stats.bind(StatsQuery {
             sent_index: self.inner.table.quoted_with("_sent_idx"),
             logged_index: self.inner.table.quoted_with("_logged_idx"),
@@ -288,7 +315,7 @@ impl Outbox {
         AnsiTransactionManager::begin_transaction(conn)
             .await
             .map_err(|e| self.db_error(e))?;
-        let row = match conn.batch_execute("SET LOCAL enable_seqscan = off").await {
+        let row = match conn.batch_execute(STATS_PLAN).await {
             Ok(()) => query.get_result::<StatsRow>(conn).await,
             Err(e) => Err(e),
         };
@@ -437,7 +464,10 @@ impl Outbox {
     ) -> Result<u64> {
         let query = sql.bind(Purge { age_us, batch });
         let n = conn
-            .transaction(async |c| query.execute(c).await)
+            .transaction(async |c| {
+                c.batch_execute(PURGE_PLAN).await?;
+                query.execute(c).await
+            })
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(n as u64)

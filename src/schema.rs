@@ -161,7 +161,7 @@ diesel::table! {
         after -> BigInt,
         /// Ticks opened.
         tick -> BigInt,
-        /// Reads of the current part of the tick that did not finish.
+        /// Pages read at `after` that did not finish.
         page_attempts -> Integer,
         /// The relay holding the lease.
         owner -> Nullable<Text>,
@@ -169,6 +169,9 @@ diesel::table! {
         lease_until -> Nullable<Timestamptz>,
         /// Incremented whenever another relay takes the cursor over; fences the one before.
         token -> BigInt,
+        /// Page reads of the open tick walk the primary key past this id; below it the tick
+        /// holds only rows of transactions that were running when `lo` was taken.
+        walk_from -> BigInt,
     }
 }
 

@@ -1197,6 +1197,12 @@ async fn rows_with_undecodable_columns_die_alone_and_the_rest_are_published() {
 /// new tokens while R1 held live leases on them.
 #[tokio::test]
 async fn a_claim_never_takes_rows_another_relay_is_leasing() {
+    if common::per_row_only(
+        "the per-row claim's leases; rows of the log are never leased, and only the cursor's \
+         holder publishes them",
+    ) {
+        return;
+    }
     let mut f = fixture().await;
     for k in ["a1", "a2", "a3"] {
         f.enqueue(Message::new("t", k).key(k).aggregate_key("A"))
@@ -1254,6 +1260,9 @@ async fn a_claim_never_takes_rows_another_relay_is_leasing() {
 
 /// Three relays drain aggregates while messages die and are redriven (which puts them in
 /// front of messages already in flight): no two publishes of one aggregate ever overlap.
+/// On the log engine a redriven message may overlap the later messages of its aggregate
+/// that the cursor's holder is publishing from the log at that moment (the redrive puts it
+/// out of order anyway); no two other publishes of one aggregate ever overlap.
 #[tokio::test]
 async fn no_two_publishes_of_one_aggregate_ever_overlap_even_across_redrives() {
     let mut f = fixture().await;
@@ -1264,8 +1273,10 @@ async fn no_two_publishes_of_one_aggregate_ever_overlap_even_across_redrives() {
 
     #[derive(Default)]
     struct InFlight {
-        by_aggregate: HashMap<String, usize>,
-        overlaps: Vec<String>,
+        /// The keys being published, by aggregate.
+        by_aggregate: HashMap<String, Vec<String>>,
+        /// Each publish that began while another of its aggregate was under way: both keys.
+        overlaps: Vec<(String, String)>,
     }
     let in_flight = Arc::new(Mutex::new(InFlight::default()));
     let mut relays = Vec::new();
@@ -1277,19 +1288,22 @@ async fn no_two_publishes_of_one_aggregate_ever_overlap_even_across_redrives() {
                 let aggregate = record.aggregate_key.clone().unwrap();
                 {
                     let mut state = in_flight.lock().unwrap();
-                    let n = state.by_aggregate.entry(aggregate.clone()).or_default();
-                    *n += 1;
-                    if *n > 1 {
-                        state.overlaps.push(record.key.clone());
-                    }
+                    let under_way = state.by_aggregate.entry(aggregate.clone()).or_default();
+                    let overlapping: Vec<(String, String)> = under_way
+                        .iter()
+                        .map(|other| (other.clone(), record.key.clone()))
+                        .collect();
+                    under_way.push(record.key.clone());
+                    state.overlaps.extend(overlapping);
                 }
                 tokio::time::sleep(Duration::from_millis(fastrand::u64(1..4))).await;
-                *in_flight
+                in_flight
                     .lock()
                     .unwrap()
                     .by_aggregate
                     .get_mut(&aggregate)
-                    .unwrap() -= 1;
+                    .unwrap()
+                    .retain(|k| k != &record.key);
                 // A tenth of first attempts die; the redriver below brings them back.
                 if record.attempt == 1 && fastrand::u8(0..10) == 0 {
                     return Err(PublishError::permanent("rejected"));
@@ -1308,17 +1322,20 @@ async fn no_two_publishes_of_one_aggregate_ever_overlap_even_across_redrives() {
         relays.push(spawn_relay(relay));
     }
     let deadline = Instant::now() + DEADLINE * 2;
-    let mut redriven = 0;
+    let mut redriven = std::collections::HashSet::new();
     while f.count("status = 'sent'").await < 200 {
         assert!(Instant::now() < deadline, "not drained");
-        redriven += f.outbox.redrive(&mut f.conn, &[]).await.unwrap().len();
+        redriven.extend(f.outbox.redrive(&mut f.conn, &[]).await.unwrap());
         tokio::time::sleep(Duration::from_millis(15)).await;
     }
     for (stop, task) in relays {
         stop_relay(stop, task).await;
     }
-    assert!(redriven > 0, "the test redrove nothing");
-    let overlaps = in_flight.lock().unwrap().overlaps.clone();
+    assert!(!redriven.is_empty(), "the test redrove nothing");
+    let mut overlaps = in_flight.lock().unwrap().overlaps.clone();
+    if common::engine() == diesel_outbox::Engine::Log {
+        overlaps.retain(|(a, b)| !redriven.contains(a) && !redriven.contains(b));
+    }
     assert!(overlaps.is_empty(), "overlapping publishes: {overlaps:?}");
 }
 

@@ -70,7 +70,7 @@ async fn migrate_repeatedly_and_concurrently(outbox: Outbox, schema: &TestSchema
     assert!(table_exists(&mut conn, &format!("{t}_inbox")).await);
     assert_eq!(
         versions(&mut conn, &format!("{t}_migrations")).await,
-        vec![1, 2, 3, 4]
+        vec![1, 2, 3, 4, 5]
     );
     outbox
         .enqueue_alone(&mut conn, Message::new("t", "works"))
@@ -192,7 +192,7 @@ async fn migrate_upgrades_a_table_left_at_version_one() {
     outbox.migrate(&mut conn).await.unwrap();
     assert_eq!(
         versions(&mut conn, &migrations_table).await,
-        vec![1, 2, 3, 4]
+        vec![1, 2, 3, 4, 5]
     );
     let stats = outbox.stats(&mut conn).await.unwrap();
     assert_eq!(stats.blocked_for, None);
@@ -233,13 +233,13 @@ async fn embedded_migrations_run_through_diesels_harness() {
     let applied = harness
         .run_pending_migrations(diesel_outbox::MIGRATIONS)
         .unwrap();
-    assert_eq!(applied.len(), 4);
+    assert_eq!(applied.len(), 5);
     let mut conn = harness.into_inner();
 
     // The same schema as `migrate`, which therefore finds nothing to do.
     assert_eq!(
         versions(&mut conn, "outbox_migrations").await,
-        vec![1, 2, 3, 4]
+        vec![1, 2, 3, 4, 5]
     );
     Outbox::new().migrate(&mut conn).await.unwrap();
     Outbox::new()
@@ -267,7 +267,7 @@ async fn sql_statements_build_the_same_schema() {
     }
     assert_eq!(
         versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
-        vec![1, 2, 3, 4]
+        vec![1, 2, 3, 4, 5]
     );
     outbox.migrate(&mut conn).await.unwrap();
     outbox
@@ -296,7 +296,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     let mut harness = AsyncMigrationHarness::new(schema.connect().await);
     for outbox in [&first, &second] {
         let applied = harness.run_pending_migrations(outbox.migrations()).unwrap();
-        assert_eq!(applied.len(), 4, "{}", outbox.table());
+        assert_eq!(applied.len(), 5, "{}", outbox.table());
     }
     assert!(
         harness
@@ -308,7 +308,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     for outbox in [&first, &second] {
         assert_eq!(
             versions(&mut conn, &format!("{}_migrations", outbox.table())).await,
-            vec![1, 2, 3, 4]
+            vec![1, 2, 3, 4, 5]
         );
         outbox.migrate(&mut conn).await.unwrap();
         outbox
@@ -335,7 +335,7 @@ async fn a_custom_table_runs_through_diesels_harness_and_reverts() {
     let reverted = harness
         .revert_all_migrations(Both(vec![first.migrations(), second.migrations()]))
         .unwrap();
-    assert_eq!(reverted.len(), 8);
+    assert_eq!(reverted.len(), 10);
     let mut conn = harness.into_inner();
     assert!(!table_exists(&mut conn, first.table()).await);
     assert!(!table_exists(&mut conn, second.table()).await);
@@ -483,6 +483,7 @@ async fn the_table_definitions_match_the_migrated_schema() {
                 column::<outbox_cursor::owner>(),
                 column::<outbox_cursor::lease_until>(),
                 column::<outbox_cursor::token>(),
+                column::<outbox_cursor::walk_from>(),
             ],
             all_columns(outbox_cursor::table),
             vec![<outbox_cursor::table as Table>::PrimaryKey::NAME],

@@ -214,6 +214,7 @@ impl<P: Publisher> RelayBuilder<P> {
                 vitals,
                 held: Arc::default(),
                 listening: Arc::new(AtomicUsize::new(0)),
+                take_trouble: std::sync::Mutex::default(),
             }),
         })
     }
@@ -262,6 +263,8 @@ struct RelayShared<P> {
     vitals: Arc<Vitals>,
     /// Runs holding their LISTEN connection.
     listening: Arc<AtomicUsize>,
+    /// Takes that claimed on the per-row side but could not read the log, in a row.
+    take_trouble: std::sync::Mutex<crate::streak::Streak>,
 }
 
 impl<P> Relay<P> {

@@ -131,6 +131,21 @@ pub(crate) struct MessageColumns {
 }
 
 impl MessageColumns {
+    /// A well-formed row of `id` with `key`, for the engines' unit tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(id: i64, key: &str, aggregate_key: Option<&str>) -> Self {
+        MessageColumns {
+            id,
+            key: key.to_owned(),
+            topic: "t".to_owned(),
+            aggregate_key: aggregate_key.map(str::to_owned),
+            payload: Vec::new(),
+            content_type: None,
+            headers: "{}".to_owned(),
+            created_at: Some(Utc::now()),
+        }
+    }
+
     /// The row as a record on its `attempt`, and why it cannot be published when the
     /// columns that rows written by other means can spoil do not decode (the record is
     /// then still named by key and topic, for the dead letter).

@@ -326,6 +326,7 @@ impl<P: Publisher> Relay<P> {
             undecodable,
             hold,
             finish,
+            trouble: _,
         } = batch;
         let record_by = claimed_at + 2 * inner.options.lease;
         let mut outcomes = Outcomes {

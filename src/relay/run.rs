@@ -220,7 +220,30 @@ impl<P: Publisher> Relay<P> {
                 }
             }
         };
-        inner.vitals.database(None);
+        let mut trouble = inner.take_trouble.lock().unwrap_or_else(|e| e.into_inner());
+        match batch.trouble.take() {
+            None => {
+                inner.vitals.database(None);
+                if let Some(failed_for) = trouble.ended() {
+                    tracing::info!(table = %inner.outbox.table(), failed_for = ?failed_for, "reading the log works again");
+                }
+            }
+            Some(e) => {
+                inner.vitals.database(Some(e.to_string()));
+                let table = inner.outbox.table();
+                match trouble.failed() {
+                    Loudness::First => tracing::warn!(
+                        table = %table, error = %e,
+                        "reading the log failed; what the per-row side claimed goes out (logged again each minute while it fails)"
+                    ),
+                    Loudness::Again(failing_for) => tracing::error!(
+                        table = %table, error = %e, failing_for = ?failing_for, "reading the log still fails"
+                    ),
+                    Loudness::Quiet => {}
+                }
+            }
+        }
+        drop(trouble);
         let claimed = batch.claimed();
         if claimed > 0 {
             batch.hold = Some(inner.held.hold(batch.claimed_at, batch.unrecorded()));

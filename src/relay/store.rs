@@ -24,7 +24,7 @@ use super::held::Hold;
 use super::options::Options;
 use super::outcome::{Claimed, Outcome};
 use crate::connect::PgPool;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ops::Stats;
 use crate::publisher::Record;
 
@@ -77,6 +77,9 @@ pub(crate) struct Batch {
     /// (a page of the log); its rows are among `ready` and `undecodable`. Dropped
     /// unfinished, it is given back.
     pub(crate) finish: Option<Box<dyn Finish>>,
+    /// Part of the take failed once the rest was taken (the log could not be read after
+    /// the per-row claim): the relay reports it, and the rest goes out.
+    pub(crate) trouble: Option<Error>,
 }
 
 impl Default for Batch {
@@ -88,6 +91,7 @@ impl Default for Batch {
             undecodable: Vec::new(),
             hold: None,
             finish: None,
+            trouble: None,
         }
     }
 }

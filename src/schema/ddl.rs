@@ -189,6 +189,20 @@ impl Ddl {
             ],
         };
 
+        // Version 5: where page reads of the log's open tick walk the primary key from
+        // (see `relay::log`), so that a transaction committed late is read by its id
+        // rather than by walking every row committed meanwhile. Adding a column with a
+        // constant default rewrites nothing.
+        let v5 = Migration {
+            up: vec![format!(
+                "ALTER TABLE {cursor} ADD COLUMN IF NOT EXISTS walk_from bigint NOT NULL DEFAULT 0"
+            )],
+            down: vec![
+                format!("ALTER TABLE {cursor} DROP COLUMN IF EXISTS walk_from"),
+                format!("DELETE FROM {migrations_table} WHERE version = 5"),
+            ],
+        };
+
         Ddl {
             create_schema: table
                 .schema()
@@ -208,7 +222,7 @@ impl Ddl {
                 "INSERT INTO {migrations_table} (version) VALUES ({}) ON CONFLICT DO NOTHING",
                 RecordVersion::version
             )),
-            migrations: vec![v1, v2, v3, v4],
+            migrations: vec![v1, v2, v3, v4, v5],
         }
     }
 

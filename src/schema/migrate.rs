@@ -3,7 +3,9 @@
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
+};
 
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
@@ -24,65 +26,95 @@ impl Outbox {
     /// `<table>_relays` and their indexes.
     ///
     /// Safe on every start and from many processes at once: it runs in one transaction
-    /// under an advisory lock, applies only the versions missing from `<table>_migrations`,
-    /// and creates the schema of a `schema.name` table if needed. Built with
+    /// (at READ COMMITTED, whatever the session's default) under an advisory lock, applies
+    /// only the versions missing from `<table>_migrations`, and creates the schema of a
+    /// `schema.name` table if needed. Built with
     /// [`OutboxBuilder::engine`](crate::OutboxBuilder::engine), it then moves the table to
-    /// that engine if it is on the other.
+    /// that engine if it is on the other, under the table's lock; after a move off the log
+    /// engine, the rows the log had published become `sent` in batches once the lock is
+    /// released (a `migrate` that stops before the end finishes them next time). Called
+    /// inside a transaction of yours, it runs in a savepoint of it, and does all of that
+    /// in it.
     ///
     /// # Errors
-    /// [`Error::Migration`] when the database holds a newer version than this crate knows;
-    /// a database error otherwise (and nothing is changed).
+    /// [`Error::Migration`] when the database holds a newer version than this crate knows,
+    /// or when a move is asked for inside a transaction of yours that is not at READ
+    /// COMMITTED; a database error otherwise (and nothing is changed).
     pub async fn migrate(&self, conn: &mut AsyncPgConnection) -> Result<()> {
+        let nested = AnsiTransactionManager::transaction_manager_status_mut(conn)
+            .transaction_depth()
+            .map_err(|e| self.db_error(e))?
+            .is_some();
+        if nested {
+            // A savepoint in the caller's transaction: its isolation is the caller's, and
+            // what a move leaves for after its lock is done in it too.
+            conn.transaction(async |c| {
+                self.apply(c).await?;
+                self.settle_engine(c).await
+            })
+            .await
+        } else {
+            // READ COMMITTED whatever the session's default: a move must see every row
+            // committed before it took the table's lock, not only those committed before
+            // its first statement.
+            conn.build_transaction()
+                .read_committed()
+                .run(async |c| self.apply(c).await)
+                .await?;
+            self.settle_engine(conn).await
+        }
+    }
+
+    /// The versions missing, then the move to the engine asked for, under the advisory
+    /// lock of `migrate`, in the caller's transaction.
+    async fn apply(&self, c: &mut AsyncPgConnection) -> Result<()> {
         let sql = &self.statements().ddl;
-        let table = self.table().to_owned();
-        conn.transaction(async |c| {
-            diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
-                .bind::<BigInt, _>(MIGRATE_LOCK)
+        let table = self.table();
+        diesel::sql_query("SELECT pg_advisory_xact_lock($1)")
+            .bind::<BigInt, _>(MIGRATE_LOCK)
+            .execute(c)
+            .await?;
+        if let Some(create_schema) = &sql.create_schema {
+            diesel::sql_query(create_schema.as_str()).execute(c).await?;
+        }
+        diesel::sql_query(sql.create_migrations.as_str())
+            .execute(c)
+            .await?;
+        let applied: Vec<i32> = sql
+            .select_versions
+            .bind(NoParams {})
+            .load::<VersionRow>(c)
+            .await?
+            .into_iter()
+            .map(|r| r.version)
+            .collect();
+        let known = i32::try_from(sql.migrations.len()).unwrap_or(i32::MAX);
+        if let Some(newer) = applied.iter().find(|v| **v > known) {
+            return Err(Error::Migration(
+                format!(
+                    "table {table} is at schema version {newer}, newer than this crate's \
+                     {known}: upgrade diesel-outbox"
+                )
+                .into(),
+            ));
+        }
+        for (version, migration) in (1..).zip(&sql.migrations) {
+            if applied.contains(&version) {
+                continue;
+            }
+            for statement in &migration.up {
+                diesel::sql_query(statement.as_str()).execute(c).await?;
+            }
+            sql.record_version
+                .bind(RecordVersion { version })
                 .execute(c)
                 .await?;
-            if let Some(create_schema) = &sql.create_schema {
-                diesel::sql_query(create_schema.as_str()).execute(c).await?;
-            }
-            diesel::sql_query(sql.create_migrations.as_str())
-                .execute(c)
-                .await?;
-            let applied: Vec<i32> = sql
-                .select_versions
-                .bind(NoParams {})
-                .load::<VersionRow>(c)
-                .await?
-                .into_iter()
-                .map(|r| r.version)
-                .collect();
-            let known = i32::try_from(sql.migrations.len()).unwrap_or(i32::MAX);
-            if let Some(newer) = applied.iter().find(|v| **v > known) {
-                return Err(Error::Migration(
-                    format!(
-                        "table {table} is at schema version {newer}, newer than this crate's \
-                         {known}: upgrade diesel-outbox"
-                    )
-                    .into(),
-                ));
-            }
-            for (version, migration) in (1..).zip(&sql.migrations) {
-                if applied.contains(&version) {
-                    continue;
-                }
-                for statement in &migration.up {
-                    diesel::sql_query(statement.as_str()).execute(c).await?;
-                }
-                sql.record_version
-                    .bind(RecordVersion { version })
-                    .execute(c)
-                    .await?;
-                tracing::info!(table = %table, version, "outbox migration applied");
-            }
-            if let Some(engine) = self.inner.engine {
-                self.move_engine(c, engine).await?;
-            }
-            Ok::<_, Error>(())
-        })
-        .await
+            tracing::info!(table = %table, version, "outbox migration applied");
+        }
+        if let Some(engine) = self.inner.engine {
+            self.move_engine(c, engine).await?;
+        }
+        Ok(())
     }
 
     /// The statements [`Outbox::migrate`] runs, in order, for your own migration tool. They

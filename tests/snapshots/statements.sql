@@ -143,12 +143,23 @@ ALTER TABLE "sales"."orders_outbox" DROP COLUMN IF EXISTS xid;
 -- migration 4 down 4
 DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 4;
 
+-- migration 5 up 0
+ALTER TABLE "sales"."orders_outbox_cursor" ADD COLUMN IF NOT EXISTS walk_from bigint NOT NULL DEFAULT 0;
+
+-- migration 5 down 0
+ALTER TABLE "sales"."orders_outbox_cursor" DROP COLUMN IF EXISTS walk_from;
+
+-- migration 5 down 1
+DELETE FROM "sales"."orders_outbox_migrations" WHERE version = 5;
+
 -- engine is_log
 SELECT EXISTS (SELECT 1 FROM "sales"."orders_outbox_cursor") AS log;
 
 -- engine to_log
 SET LOCAL lock_timeout = '10s';
 LOCK TABLE "sales"."orders_outbox" IN ACCESS EXCLUSIVE MODE;
+UPDATE "sales"."orders_outbox" SET status = 'sent', sent_at = now() WHERE status = 'logged';
+ALTER TABLE "sales"."orders_outbox" DROP CONSTRAINT IF EXISTS "orders_outbox_status_check", ADD CONSTRAINT "orders_outbox_status_check" CHECK (status IN ('pending', 'sent', 'dead', 'logged')) NOT VALID;
 ALTER TABLE "sales"."orders_outbox" ALTER COLUMN status SET DEFAULT 'logged';
 INSERT INTO "sales"."orders_outbox_cursor" (part, lo, hi)
     SELECT 0, s, s FROM (SELECT (x || ':' || x || ':')::pg_snapshot AS s FROM (SELECT least(pg_snapshot_xmin(pg_current_snapshot()), pg_current_xact_id()) AS x) AS a) AS b
@@ -157,11 +168,29 @@ ON CONFLICT (part) DO NOTHING;
 -- engine to_per_row
 SET LOCAL lock_timeout = '10s';
 LOCK TABLE "sales"."orders_outbox" IN ACCESS EXCLUSIVE MODE;
-UPDATE "sales"."orders_outbox" t SET status = 'sent', sent_at = t.created_at FROM "sales"."orders_outbox_cursor" c
-    WHERE t.status = 'logged' AND (pg_visible_in_snapshot(t.xid, c.lo) OR (pg_visible_in_snapshot(t.xid, c.hi) AND t.id <= c.after));
-UPDATE "sales"."orders_outbox" SET status = 'pending', available_at = now() WHERE status = 'logged';
+WITH c AS MATERIALIZED (SELECT lo, hi, after FROM "sales"."orders_outbox_cursor" WHERE part = 0),
+backlog AS MATERIALIZED (
+    SELECT o.id, o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip(lo) FROM c))
+    UNION ALL
+    SELECT o.id, o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= (SELECT pg_snapshot_xmax(lo) FROM c)
+)
+UPDATE "sales"."orders_outbox" t SET status = 'pending', available_at = now() FROM backlog b, c
+    WHERE t.id = b.id AND NOT (pg_visible_in_snapshot(b.xid, c.lo) OR (pg_visible_in_snapshot(b.xid, c.hi) AND b.id <= c.after));
 ALTER TABLE "sales"."orders_outbox" ALTER COLUMN status SET DEFAULT 'pending';
+ALTER TABLE "sales"."orders_outbox" DROP CONSTRAINT IF EXISTS "orders_outbox_status_check", ADD CONSTRAINT "orders_outbox_status_check" CHECK (status IN ('pending', 'sent', 'dead')) NOT VALID;
 DELETE FROM "sales"."orders_outbox_cursor";
+
+-- engine settle_passed
+WITH passed AS MATERIALIZED (
+    SELECT id FROM "sales"."orders_outbox" WHERE status = 'logged' ORDER BY xid, id LIMIT 10000 FOR UPDATE SKIP LOCKED
+)
+UPDATE "sales"."orders_outbox" t SET status = 'sent', sent_at = now() FROM passed WHERE t.id = passed.id AND t.status = 'logged' AND NOT EXISTS (SELECT 1 FROM "sales"."orders_outbox_cursor");
+
+-- engine check_unvalidated
+SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = '"sales"."orders_outbox"'::regclass AND conname = 'orders_outbox_status_check' AND NOT convalidated) AS unvalidated;
+
+-- engine validate_check
+ALTER TABLE "sales"."orders_outbox" VALIDATE CONSTRAINT "orders_outbox_status_check";
 
 -- enqueue
 WITH m AS (
@@ -219,8 +248,15 @@ SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake
 INSERT INTO "sales"."orders_outbox_inbox" (consumer, idempotency_key) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING true AS inserted;
 
 -- stats
-WITH backlog AS MATERIALIZED (
-    SELECT o.created_at FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= (SELECT pg_snapshot_xmin(lo) FROM "sales"."orders_outbox_cursor" WHERE part = 0) AND NOT (pg_visible_in_snapshot(o.xid, (SELECT lo FROM "sales"."orders_outbox_cursor" WHERE part = 0)) OR (pg_visible_in_snapshot(o.xid, (SELECT hi FROM "sales"."orders_outbox_cursor" WHERE part = 0)) AND o.id <= (SELECT after FROM "sales"."orders_outbox_cursor" WHERE part = 0)))
+WITH c AS MATERIALIZED (SELECT lo, hi, after, ceiling, walk_from FROM "sales"."orders_outbox_cursor" WHERE part = 0),
+backlog AS MATERIALIZED (
+    SELECT o.created_at FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip(hi) FROM c))
+    UNION ALL
+    SELECT o.created_at FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= (SELECT pg_snapshot_xmax(hi) FROM c)
+    UNION ALL
+    SELECT o.created_at FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT x FROM c, pg_snapshot_xip(c.lo) AS x WHERE pg_visible_in_snapshot(x, c.hi))) AND o.id > (SELECT after FROM c) AND o.id <= (SELECT walk_from FROM c)
+    UNION ALL
+    SELECT o.created_at FROM "sales"."orders_outbox" o WHERE o.id > (SELECT greatest(after, walk_from) FROM c) AND o.id <= (SELECT ceiling FROM c) AND (o.status || '') = 'logged' AND pg_visible_in_snapshot(o.xid, (SELECT hi FROM c)) AND NOT pg_visible_in_snapshot(o.xid, (SELECT lo FROM c))
 )
 SELECT
     (SELECT count(*) FROM "sales"."orders_outbox" WHERE status = 'pending' AND (lease_until IS NULL OR lease_until <= now())) + (SELECT count(*) FROM backlog) AS pending,
@@ -244,8 +280,9 @@ WITH sent AS MATERIALIZED (
     SELECT id FROM "sales"."orders_outbox" WHERE status = 'sent' AND sent_at < now() - $1 * interval '1 microsecond'
     ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED
 ), logged AS MATERIALIZED (
-    SELECT o.id FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM "sales"."orders_outbox_cursor" WHERE part = 0) AND o.created_at < now() - $1 * interval '1 microsecond' AND (pg_visible_in_snapshot(o.xid, (SELECT lo FROM "sales"."orders_outbox_cursor" WHERE part = 0)) OR (pg_visible_in_snapshot(o.xid, (SELECT hi FROM "sales"."orders_outbox_cursor" WHERE part = 0)) AND o.id <= (SELECT after FROM "sales"."orders_outbox_cursor" WHERE part = 0)))
-    ORDER BY o.xid, o.id LIMIT $2 FOR UPDATE OF o SKIP LOCKED
+    SELECT l.id FROM (SELECT o.id, o.created_at FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid < (SELECT pg_snapshot_xmax(hi) FROM "sales"."orders_outbox_cursor" WHERE part = 0) AND (pg_visible_in_snapshot(o.xid, (SELECT lo FROM "sales"."orders_outbox_cursor" WHERE part = 0)) OR (pg_visible_in_snapshot(o.xid, (SELECT hi FROM "sales"."orders_outbox_cursor" WHERE part = 0)) AND o.id <= (SELECT after FROM "sales"."orders_outbox_cursor" WHERE part = 0)))
+    ORDER BY o.xid, o.id LIMIT $2 FOR UPDATE OF o SKIP LOCKED) AS l
+    WHERE l.created_at < now() - $1 * interval '1 microsecond'
 )
 DELETE FROM "sales"."orders_outbox" WHERE id IN (SELECT id FROM sent UNION ALL SELECT id FROM logged);
 
@@ -337,36 +374,65 @@ UPDATE "sales"."orders_outbox_cursor" SET
     token = CASE WHEN owner = $1 THEN token ELSE least(token, 9223372036854775806) + 1 END,
     page_attempts = CASE WHEN owner IS NOT NULL AND owner <> $1 AND after < ceiling THEN least(page_attempts, 2147483646) + 1 ELSE page_attempts END,
     owner = $1, lease_until = now() + $2 * interval '1 microsecond'
-WHERE part = 0 AND (owner = $1 OR owner IS NULL OR lease_until <= now())
-RETURNING lo::text AS lo, hi::text AS hi, ceiling, after, tick, page_attempts, token;
+WHERE part = 0 AND (owner = $1 OR owner IS NULL OR lease_until <= now()) AND set_config('synchronous_commit', 'on', true) IS NOT NULL
+RETURNING lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_attempts, token;
 
 -- log open_tick
 WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS cur),
 n AS MATERIALIZED (
-    SELECT min(o.id) AS floor, max(o.id) AS ceiling FROM "sales"."orders_outbox" o, s
-    WHERE o.status = 'logged' AND (o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($3::pg_snapshot))) OR o.xid >= pg_snapshot_xmax($3::pg_snapshot)) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot) AND pg_visible_in_snapshot(o.xid, s.cur)
+    SELECT min(o.id) AS floor, max(o.id) AS ceiling, min(o.id) FILTER (WHERE o.xid >= pg_snapshot_xmax($3::pg_snapshot)) AS fresh
+    FROM (
+        SELECT i.id, i.xid FROM "sales"."orders_outbox" i WHERE i.status = 'logged' AND i.xid = ANY(ARRAY(SELECT pg_snapshot_xip($3::pg_snapshot)))
+        UNION ALL
+        SELECT i.id, i.xid FROM "sales"."orders_outbox" i WHERE i.status = 'logged' AND i.xid >= pg_snapshot_xmax($3::pg_snapshot)
+    ) AS o, s
+    WHERE NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot) AND pg_visible_in_snapshot(o.xid, s.cur)
+), opened AS (
+    UPDATE "sales"."orders_outbox_cursor" c SET lo = c.hi, hi = s.cur, ceiling = n.ceiling, after = n.floor - 1, walk_from = coalesce(n.fresh - 1, n.ceiling), tick = c.tick + 1, page_attempts = 0, lease_until = now() + $5 * interval '1 microsecond'
+    FROM s, n
+    WHERE c.part = 0 AND c.token = $1 AND c.tick = $2 AND c.after = $4 AND c.ceiling = $4 AND c.hi::text = $3 AND n.floor IS NOT NULL
+    RETURNING c.lo::text AS lo, c.hi::text AS hi, c.ceiling, c.after, c.walk_from, c.tick, c.page_attempts, c.token
 )
-UPDATE "sales"."orders_outbox_cursor" c SET lo = c.hi, hi = s.cur, ceiling = n.ceiling, after = n.floor - 1, tick = c.tick + 1, page_attempts = 0, lease_until = now() + $4 * interval '1 microsecond'
-FROM s, n
-WHERE c.part = 0 AND c.token = $1 AND c.tick = $2 AND c.after = c.ceiling AND n.floor IS NOT NULL
-RETURNING c.lo::text AS lo, c.hi::text AS hi, c.ceiling, c.after, c.tick, c.page_attempts, c.token;
+SELECT lo, hi, ceiling, after, walk_from, tick, page_attempts, token, true AS opened FROM opened
+UNION ALL
+SELECT lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_attempts, token, false FROM "sales"."orders_outbox_cursor" WHERE part = 0 AND NOT EXISTS (SELECT 1 FROM opened);
 
 -- log read_page
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
-        SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
+SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
         FROM "sales"."orders_outbox" o WHERE o.id > $1 AND o.id <= $2 AND (o.status || '') = 'logged'
         AND pg_visible_in_snapshot(o.xid, $4::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot)
         ORDER BY o.id LIMIT $5
     ) AS p
 ) AS q WHERE n < $5 AND (n = 1 OR total <= $6) ORDER BY id;
 
+-- log read_late_page
+SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
+    SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
+SELECT * FROM (
+        (SELECT r.* FROM pg_snapshot_xip($4::pg_snapshot) AS x(xid)
+        CROSS JOIN LATERAL (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > $1 AND o.id <= $2 ORDER BY o.id LIMIT $6) AS r
+        WHERE pg_visible_in_snapshot(x.xid, $5::pg_snapshot) ORDER BY r.id LIMIT $6)
+        UNION ALL
+        (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
+        FROM "sales"."orders_outbox" o WHERE o.id > $2 AND o.id <= $3 AND (o.status || '') = 'logged'
+        AND pg_visible_in_snapshot(o.xid, $5::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $4::pg_snapshot)
+        ORDER BY o.id LIMIT $6)
+    ) AS u ORDER BY u.id LIMIT $6
+    ) AS p
+) AS q WHERE n < $6 AND (n = 1 OR total <= $7) ORDER BY id;
+
 -- log pending_aggregates
-SELECT DISTINCT aggregate_key AS key FROM "sales"."orders_outbox" WHERE status = 'pending' AND aggregate_key = ANY($1::text[]);
+SELECT DISTINCT aggregate_key AS key FROM "sales"."orders_outbox" WHERE status = 'pending' AND aggregate_key = ANY($1::text[]) AND id <> ALL($2::bigint[]);
 
 -- log advance
-UPDATE "sales"."orders_outbox_cursor" SET after = $4, page_attempts = $5, lease_until = now() + $6 * interval '1 microsecond'
-WHERE part = 0 AND token = $1 AND tick = $2 AND after = $3;
+WITH moved AS (
+    UPDATE "sales"."orders_outbox_cursor" SET after = $4, page_attempts = $5, lease_until = now() + $6 * interval '1 microsecond'
+    WHERE part = 0 AND token = $1 AND tick = $2 AND after = $3 AND set_config('synchronous_commit', 'on', true) IS NOT NULL
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM moved) AS moved, (SELECT c.token FROM "sales"."orders_outbox_cursor" c WHERE c.part = 0) AS token;
 
 -- log hand_over
 UPDATE "sales"."orders_outbox" t SET
@@ -379,7 +445,7 @@ FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::integer[]) A
 WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.status = 'logged';
 
 -- log give_back
-UPDATE "sales"."orders_outbox_cursor" SET owner = NULL, lease_until = now() WHERE part = 0 AND owner = $1 AND token = $2;
+UPDATE "sales"."orders_outbox_cursor" SET owner = NULL, lease_until = now() WHERE part = 0 AND owner = $1 AND token = $2 AND set_config('synchronous_commit', 'on', true) IS NOT NULL;
 
 -- log committed
 SELECT (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= pg_snapshot_xmax($1::pg_snapshot) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL OR (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($1::pg_snapshot))) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL AS found;

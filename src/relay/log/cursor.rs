@@ -4,10 +4,16 @@
 //! and takes each decision in one call, on the state as it is then, so that no decision
 //! rests on a copy that a finish has overtaken since.
 //!
+//! The database's cursor is the truth. The relay's view of it is a cache that only its own
+//! writes move; a take or a tick open that finds the cursor elsewhere under the relay's own
+//! token (a write the database lost after a failover or a crash, an operator's change)
+//! moves the relay there, and a guard that matches nothing on a finish makes the relay read
+//! the cursor again.
+//!
 //! Pages are numbered (`seq`) in the order they are read; they finish in that order. The
 //! *generation* counts the times the read position went back (a page cut short, a finish
-//! that failed, the cursor lost or given back): a page of an older generation finishes
-//! nothing, and is read again.
+//! that failed, the cursor lost, moved or given back): a page of an older generation
+//! finishes nothing, and is read again.
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
@@ -39,6 +45,9 @@ pub(super) struct Cursor {
     /// The open tick's last page was read.
     tick_read: bool,
     generation: u64,
+    /// Bumped whenever the relay's view of the cursor's place changes: a take answered
+    /// after such a change was asked before it, and may be older than the view.
+    version: u64,
     next_seq: u64,
     /// Pages read and not yet finished, by sequence number, with their aggregates.
     in_flight: BTreeMap<u64, HashSet<String>>,
@@ -55,14 +64,17 @@ pub(super) enum Lease {
     NotNow,
 }
 
-/// What a take told.
+/// What a take (or a tick open that opened nothing) told.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Taken {
-    /// This relay holds the cursor now, as it held it before.
+    /// This relay holds the cursor, where it left it.
     Renewed,
-    /// This relay holds it now and did not before (or holds another token or tick): it
-    /// reads from the cursor's position.
+    /// This relay holds it now and did not before (or under another token): it reads from
+    /// the cursor's position.
     Anew { token: i64, tick: i64 },
+    /// This relay held it, but the cursor is not where the relay left it: the relay reads
+    /// from where it is (publishing again what lies behind the relay's view).
+    Moved { from: i64, to: i64, tick: i64 },
     /// The table has no cursor, or another relay holds it.
     Not,
 }
@@ -130,12 +142,25 @@ impl Cursor {
         Lease::Take
     }
 
-    /// A take asked at `asked` answered `row`.
+    /// The relay's view of the cursor's place, as a number every change of it bumps: read
+    /// before a take is asked, and handed to [`Cursor::taken`] with its answer.
+    pub(super) fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// A take asked at `asked`, when the view's [`version`](Cursor::version) was
+    /// `version`, answered `row` (the cursor as the database holds it).
+    ///
+    /// Under this relay's token, a cursor found elsewhere than the relay left it moves the
+    /// relay there, unless a page is in flight or the view changed since the take was
+    /// asked: then the view is kept, and the next finish's guard tells whether the cursor
+    /// moved.
     pub(super) fn taken(
         &mut self,
         row: Option<CursorRow>,
         asked: Instant,
         lease: Duration,
+        version: u64,
     ) -> Taken {
         let Some(row) = row else {
             self.held = None;
@@ -144,27 +169,28 @@ impl Cursor {
         };
         self.retry_at = None;
         let renew_at = asked + lease / 2;
-        let same = self
-            .held
-            .as_ref()
-            .is_some_and(|h| h.row.token == row.token && h.row.tick == row.tick);
-        if same {
-            // Keep what this relay's own finishes wrote since.
-            if let Some(held) = &mut self.held {
-                held.renew_at = renew_at;
-            }
+        let Some(held) = self.held.as_mut().filter(|h| h.row.token == row.token) else {
+            let taken = Taken::Anew {
+                token: row.token,
+                tick: row.tick,
+            };
+            self.adopt(row, renew_at);
+            return taken;
+        };
+        let unsure = !self.in_flight.is_empty() || version != self.version;
+        if unsure || held.row.same_place(&row) {
+            // Keep what this relay's own finishes wrote since, and the attempts it counted
+            // in memory.
+            held.renew_at = renew_at;
             return Taken::Renewed;
         }
-        let taken = Taken::Anew {
-            token: row.token,
+        let moved = Taken::Moved {
+            from: held.row.after,
+            to: row.after,
             tick: row.tick,
         };
-        // Read from the committed position.
-        self.generation += 1;
-        self.read_to = row.after;
-        self.tick_read = row.after >= row.ceiling;
-        self.held = Some(Held { row, renew_at });
-        taken
+        self.adopt(row, renew_at);
+        moved
     }
 
     /// Where the next page comes from (see [`Next`]).
@@ -193,12 +219,50 @@ impl Cursor {
 
     /// A tick opened (asked at `asked`): `row` is the cursor at its start.
     pub(super) fn opened(&mut self, row: CursorRow, asked: Instant, lease: Duration) {
+        self.version += 1;
         self.read_to = row.after;
         self.tick_read = row.after >= row.ceiling;
         self.held = Some(Held {
             row,
             renew_at: asked + lease / 2,
         });
+    }
+
+    /// A tick open from `at` opened nothing, and found the cursor as `row` (`None`: the
+    /// table has none). At the place the relay knows under its token, nothing committed
+    /// since (`Renewed`); elsewhere under its token, the cursor moved under the relay,
+    /// which now reads from there (`Moved`); under another token, or none, the relay no
+    /// longer holds it (`Not`).
+    pub(super) fn not_opened(
+        &mut self,
+        at: &CursorRow,
+        row: Option<CursorRow>,
+        asked: Instant,
+        lease: Duration,
+    ) -> Taken {
+        let Some(row) = row.filter(|r| r.token == at.token) else {
+            self.lose();
+            return Taken::Not;
+        };
+        if row.same_place(at) {
+            return Taken::Renewed;
+        }
+        let moved = Taken::Moved {
+            from: at.after,
+            to: row.after,
+            tick: row.tick,
+        };
+        self.adopt(row, asked + lease / 2);
+        moved
+    }
+
+    /// Holds `row` as the database has it, reading from its position.
+    fn adopt(&mut self, row: CursorRow, renew_at: Instant) {
+        self.generation += 1;
+        self.version += 1;
+        self.read_to = row.after;
+        self.tick_read = row.after >= row.ceiling;
+        self.held = Some(Held { row, renew_at });
     }
 
     /// A read from `at` found nothing.
@@ -222,6 +286,7 @@ impl Cursor {
         if let Some(held) = &mut self.held
             && held.row.token == at.row.token
         {
+            self.version += 1;
             held.row.after = held.row.ceiling;
             self.read_to = held.row.ceiling;
             self.tick_read = true;
@@ -279,6 +344,7 @@ impl Cursor {
             && held.row.token == guard.token
             && held.row.tick == guard.tick
         {
+            self.version += 1;
             held.row.after = to;
             held.row.page_attempts = page_attempts;
         }
@@ -289,6 +355,7 @@ impl Cursor {
     /// failed): the cursor is read again, and the pages after it too.
     pub(super) fn lost(&mut self, seq: u64) {
         self.held = None;
+        self.version += 1;
         self.done(seq, true);
     }
 
@@ -313,6 +380,7 @@ impl Cursor {
     pub(super) fn lose(&mut self) {
         self.held = None;
         self.generation += 1;
+        self.version += 1;
     }
 
     /// The token of the cursor held, to give it back.
@@ -348,5 +416,232 @@ impl Cursor {
                 self.tick_read = held.row.after >= held.row.ceiling;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    /// A cursor of `token` in `tick` (ids 1 to `ceiling`), done up to `after`.
+    fn row(token: i64, tick: i64, after: i64, ceiling: i64) -> CursorRow {
+        CursorRow {
+            lo: format!("{tick}:{tick}:"),
+            hi: format!("{}:{}:", tick + 1, tick + 1),
+            ceiling,
+            after,
+            walk_from: 0,
+            tick,
+            page_attempts: 0,
+            token,
+        }
+    }
+
+    fn held(cursor: &mut Cursor, row: CursorRow) {
+        let version = cursor.version();
+        cursor.taken(Some(row), Instant::now(), LEASE, version);
+    }
+
+    fn read(cursor: &mut Cursor) -> ReadAt {
+        match cursor.next() {
+            Next::Read(at) => at,
+            other => panic!("expected a read, got {other:?}"),
+        }
+    }
+
+    fn guard(at: &ReadAt) -> Guard {
+        Guard {
+            token: at.row.token,
+            tick: at.row.tick,
+            from: at.from,
+        }
+    }
+
+    #[test]
+    fn pages_are_read_in_turn_and_the_tick_opens_once_its_last_page_finished() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 0, 10));
+        let first = read(&mut c);
+        assert_eq!(first.from, 0);
+        let p1 = c.register(&first, 5, false, HashSet::new()).unwrap();
+        let second = read(&mut c);
+        assert_eq!(second.from, 5);
+        let p2 = c.register(&second, 10, true, HashSet::new()).unwrap();
+        assert_eq!(c.next(), Next::Wait, "the tick is read, its pages are out");
+        assert!(c.turn_of(p1.seq) && !c.turn_of(p2.seq));
+        c.moved(p1.seq, guard(&first), 5, 0, false);
+        assert!(c.turn_of(p2.seq));
+        assert_eq!(c.next(), Next::Wait);
+        c.moved(p2.seq, guard(&second), 10, 0, false);
+        match c.next() {
+            Next::Open(at) => assert_eq!((at.after, at.ceiling), (10, 10)),
+            other => panic!("expected an open, got {other:?}"),
+        }
+    }
+
+    /// The interleaving that made one relay fence itself: the tick's last page finishes
+    /// between the relay's look at its lease and its choice of where to read. Decided on
+    /// the state as it is then, the next step opens a tick; it never rereads the page that
+    /// just finished.
+    #[test]
+    fn the_last_page_finishing_just_before_a_read_does_not_rewind_it() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 0, 10));
+        let at = read(&mut c);
+        let page = c.register(&at, 10, true, HashSet::new()).unwrap();
+        // The next claim looks at its lease: held, no renewal due.
+        assert_eq!(c.lease(Instant::now()), Lease::Held);
+        // Its page finishes now, on another task.
+        c.moved(page.seq, guard(&at), 10, 0, false);
+        match c.next() {
+            Next::Open(at) => assert_eq!(at.after, 10),
+            other => panic!("expected an open, got {other:?}"),
+        }
+    }
+
+    /// A take that finds the cursor behind where this relay left it, under its own token
+    /// (a write the database lost): the relay reads from the database's position.
+    #[test]
+    fn a_take_that_finds_the_cursor_moved_back_reads_from_there() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 0, 10));
+        let at = read(&mut c);
+        let page = c.register(&at, 10, true, HashSet::new()).unwrap();
+        c.moved(page.seq, guard(&at), 10, 0, false);
+        let version = c.version();
+        let taken = c.taken(Some(row(7, 1, 5, 10)), Instant::now(), LEASE, version);
+        assert_eq!(
+            taken,
+            Taken::Moved {
+                from: 10,
+                to: 5,
+                tick: 1
+            }
+        );
+        assert_eq!(read(&mut c).from, 5, "the rows after 5 are read again");
+    }
+
+    /// The same take answered while a page is out, or after this relay wrote the cursor
+    /// since the take was asked: the relay's view is kept (its finish then tells).
+    #[test]
+    fn a_take_older_than_the_relays_own_writes_is_not_believed() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 0, 10));
+        let at = read(&mut c);
+        let page = c.register(&at, 4, false, HashSet::new()).unwrap();
+        let asked_at = c.version();
+        assert_eq!(
+            c.taken(Some(row(7, 1, 0, 10)), Instant::now(), LEASE, asked_at),
+            Taken::Renewed,
+            "a page is out"
+        );
+        // The take was asked before the page's finish wrote the cursor, and answered after.
+        c.moved(page.seq, guard(&at), 4, 0, false);
+        assert_eq!(
+            c.taken(Some(row(7, 1, 0, 10)), Instant::now(), LEASE, asked_at),
+            Taken::Renewed
+        );
+        assert_eq!(read(&mut c).from, 4);
+    }
+
+    #[test]
+    fn a_tick_open_that_finds_the_cursor_elsewhere_tells_why() {
+        let mut c = Cursor::default();
+        let done = row(7, 1, 10, 10);
+        held(&mut c, done.clone());
+        let Next::Open(at) = c.next() else {
+            panic!("the tick is done")
+        };
+        // Nothing committed: the cursor is where the relay left it.
+        assert_eq!(
+            c.not_opened(&at, Some(done.clone()), Instant::now(), LEASE),
+            Taken::Renewed
+        );
+        // It moved back under the relay's token: read from there.
+        assert_eq!(
+            c.not_opened(&at, Some(row(7, 1, 5, 10)), Instant::now(), LEASE),
+            Taken::Moved {
+                from: 10,
+                to: 5,
+                tick: 1
+            }
+        );
+        assert_eq!(read(&mut c).from, 5);
+        // Another relay holds it: this one does not.
+        let Next::Read(_) = c.next() else { panic!() };
+        assert_eq!(
+            c.not_opened(&at, Some(row(8, 1, 10, 10)), Instant::now(), LEASE),
+            Taken::Not
+        );
+        assert_eq!(c.next(), Next::Wait);
+    }
+
+    #[test]
+    fn a_page_cut_short_or_lost_sends_the_reading_back_and_later_pages_finish_nothing() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 0, 10));
+        let first = read(&mut c);
+        let p1 = c.register(&first, 5, false, HashSet::new()).unwrap();
+        let second = read(&mut c);
+        let p2 = c.register(&second, 10, true, HashSet::new()).unwrap();
+        // The first page was cut at 3 by an outage.
+        c.moved(p1.seq, guard(&first), 3, 0, true);
+        assert!(
+            !c.current(second.generation),
+            "the second page finishes nothing"
+        );
+        c.abandoned(p2.seq);
+        assert_eq!(read(&mut c).from, 3);
+        // A finish that failed: the cursor is read again.
+        c.lost(99);
+        assert_eq!(c.next(), Next::Wait);
+        assert_eq!(c.lease(Instant::now()), Lease::Take);
+    }
+
+    #[test]
+    fn pages_of_one_aggregate_wait_for_the_earlier_ones() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 0, 10));
+        let a = HashSet::from(["a".to_owned()]);
+        let first = read(&mut c);
+        let p1 = c.register(&first, 3, false, a.clone()).unwrap();
+        let second = read(&mut c);
+        let p2 = c
+            .register(&second, 6, false, HashSet::from(["b".to_owned()]))
+            .unwrap();
+        let third = read(&mut c);
+        let p3 = c.register(&third, 9, false, a).unwrap();
+        assert!(p2.earlier.is_empty());
+        assert_eq!(p3.earlier, [p1.seq]);
+        assert!(!c.finished_all(&p3.earlier));
+        c.moved(p1.seq, guard(&first), 3, 0, false);
+        assert!(c.finished_all(&p3.earlier));
+    }
+
+    #[test]
+    fn a_dropped_page_is_read_again_with_one_more_attempt() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 0, 10));
+        let at = read(&mut c);
+        let page = c.register(&at, 5, false, HashSet::new()).unwrap();
+        c.dropped(page.seq, guard(&at), 0);
+        let again = read(&mut c);
+        assert_eq!((again.from, again.row.page_attempts), (0, 1));
+    }
+
+    #[test]
+    fn no_cursor_is_looked_for_again_after_a_while() {
+        let mut c = Cursor::default();
+        assert_eq!(c.look(Instant::now()), Look::Yes);
+        assert_eq!(
+            c.taken(None, Instant::now(), LEASE, 0),
+            Taken::Not,
+            "the table has no cursor"
+        );
+        assert_eq!(c.lease(Instant::now()), Lease::NotNow);
+        assert_eq!(c.look(Instant::now()), Look::No);
+        assert_eq!(c.lease(Instant::now() + TAKE_RETRY), Lease::Take);
     }
 }

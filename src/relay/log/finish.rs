@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 
 use super::Log;
-use super::statements::Guard;
+use super::statements::{Advanced, Guard};
 use crate::relay::limits::RECORD_GRACE;
 use crate::relay::outcome::{
     OUTCOME_DEAD, OUTCOME_MOVE, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT, Outcome,
@@ -28,8 +28,6 @@ pub(crate) struct Page {
     page_attempts: i32,
     /// The cursor's lease, renewed by the finish.
     lease: Duration,
-    /// Read past max_attempts: every row handed over.
-    exhausted: bool,
     /// Where the cursor goes once every message of the page is done.
     to: i64,
     /// Every row of the page in id order, with its aggregate.
@@ -67,7 +65,6 @@ impl Page {
             guard,
             page_attempts,
             lease,
-            exhausted: false,
             to,
             rows,
             handed: Vec::new(),
@@ -75,18 +72,9 @@ impl Page {
         }
     }
 
-    pub(super) fn page_attempts(&self) -> i32 {
-        self.page_attempts
-    }
-
     /// The token of the cursor the page was read under.
     pub(super) fn token(&self) -> i64 {
         self.guard.token
-    }
-
-    /// The page was read too often without finishing: it is handed over whole.
-    pub(super) fn exhaust(&mut self) {
-        self.exhausted = true;
     }
 
     /// Hands a row over without publishing it.
@@ -117,28 +105,36 @@ impl Page {
             return 0;
         }
         let (to, hand_over, cut) = self.fates(outcomes, end.outage);
-        // Attempts at the page's part of the tick count until the tick ends, or until the
-        // page that used them up is handed over.
-        let page_attempts = if self.exhausted {
+        // Attempts count against the place the cursor is at: the page that did not finish
+        // there. Once a finish moves the cursor past it, they are gone.
+        let page_attempts = if to > self.guard.from {
             0
         } else {
             self.page_attempts
         };
         let unchanged =
             to == self.guard.from && hand_over.is_empty() && page_attempts == self.page_attempts;
-        let moved = if unchanged {
-            Some(true)
+        let advanced = if unchanged {
+            Some(Advanced::Moved)
         } else {
             self.advance(to, page_attempts, &hand_over, end).await
         };
         self.done = true;
         let guard = self.guard;
-        match moved {
-            Some(true) => {
+        match advanced {
+            Some(Advanced::Moved) => {
                 log.finished(|c| c.moved(seq, guard, to, page_attempts, cut));
                 0
             }
-            Some(false) => {
+            Some(Advanced::Guarded { token }) if token == Some(guard.token) => {
+                tracing::warn!(
+                    table = %log.name, rows = self.rows.len(),
+                    "the log's cursor is not where this relay left it (a write the database                      lost in a failover or a crash, or an operator's change): reading it again;                      this page's messages may be published again"
+                );
+                log.finished(|c| c.lost(seq));
+                0
+            }
+            Some(Advanced::Guarded { .. }) => {
                 tracing::warn!(
                     table = %log.name, fenced = self.rows.len(),
                     "page outcomes discarded: another relay took the log's cursor over"
@@ -207,14 +203,14 @@ impl Page {
     }
 
     /// The compare-and-set and the hand-over in one transaction, retried until `end.by`:
-    /// `Some(false)` when the cursor moved on without this relay, `None` when it failed.
+    /// `None` when it failed throughout.
     async fn advance(
         &self,
         to: i64,
         page_attempts: i32,
         hand_over: &[Outcome],
         end: End,
-    ) -> Option<bool> {
+    ) -> Option<Advanced> {
         let log = &self.log;
         retry_until(
             end.by,

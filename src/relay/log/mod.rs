@@ -21,6 +21,8 @@ mod cursor;
 mod finish;
 mod page;
 mod statements;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -32,7 +34,7 @@ use tokio::time::Instant;
 
 use self::cursor::{Cursor, Look};
 pub(crate) use self::statements::LogStatements;
-use self::statements::{CursorRow, Guard, PageRow, PgLog};
+use self::statements::{Advanced, CursorRow, Guard, Opened, PageRow, PgLog};
 use super::options::Options;
 use super::outcome::Outcome;
 use super::per_row::PerRow;
@@ -52,15 +54,12 @@ pub(crate) trait LogTable: Send + Sync + 'static {
         owner: &'a str,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Option<CursorRow>>>;
-    /// Opens the tick after `at`'s, under `at`'s token, if it is done and anything
-    /// committed since: the cursor at the new tick's start.
-    fn open_tick<'a>(
-        &'a self,
-        at: &'a CursorRow,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Option<CursorRow>>>;
+    /// Opens the tick after `at`'s, if the cursor is still `at` (done with its tick,
+    /// under its token) and anything committed since; else the cursor as it is.
+    fn open_tick<'a>(&'a self, at: &'a CursorRow, lease: Duration)
+    -> BoxFuture<'a, Result<Opened>>;
     /// Up to `limit` rows of `at`'s tick after id `from`, in id order, cut at `max_bytes`
-    /// (always one row).
+    /// (always one row), reading in proportion to them whatever the tick spans.
     fn read_page<'a>(
         &'a self,
         at: &'a CursorRow,
@@ -68,14 +67,16 @@ pub(crate) trait LogTable: Send + Sync + 'static {
         limit: usize,
         max_bytes: usize,
     ) -> BoxFuture<'a, Result<Vec<PageRow>>>;
-    /// Those of `keys` that are aggregates with rows on the per-row side.
+    /// Those of `keys` that are aggregates with rows on the per-row side, other than the
+    /// rows `besides`.
     fn pending_aggregates<'a>(
         &'a self,
         keys: Vec<String>,
+        besides: Vec<i64>,
     ) -> BoxFuture<'a, Result<HashSet<String>>>;
     /// Moves the cursor from `guard` to `to` (with `page_attempts`, renewing the lease)
-    /// and hands `hand_over` to the per-row side, in one transaction; false, and nothing
-    /// written, when the guard matches no row.
+    /// and hands `hand_over` to the per-row side, in one transaction, committed
+    /// synchronously; nothing is written when the guard matches no row.
     fn advance<'a>(
         &'a self,
         guard: Guard,
@@ -83,10 +84,10 @@ pub(crate) trait LogTable: Send + Sync + 'static {
         page_attempts: i32,
         hand_over: &'a [Outcome],
         lease: Duration,
-    ) -> BoxFuture<'a, Result<bool>>;
+    ) -> BoxFuture<'a, Result<Advanced>>;
     /// Whether anything committed since the snapshot `hi`.
     fn committed<'a>(&'a self, hi: &'a str) -> BoxFuture<'a, Result<bool>>;
-    /// Gives the lease back (`owner`'s, under `token`).
+    /// Gives the lease back (`owner`'s, under `token`), committed synchronously.
     fn give_back<'a>(&'a self, owner: &'a str, token: i64) -> BoxFuture<'a, Result<()>>;
 }
 
@@ -194,13 +195,23 @@ impl Store for LogEngine {
         Box::pin(async move {
             let mut batch = self.per_row.take(options, held).await?;
             let room = options.batch_size.saturating_sub(batch.claimed());
-            if room > 0
-                && let Some(read) = self.log.next_page(options, room).await?
-            {
-                batch.ready.extend(read.ready);
-                batch.ready.sort_by_key(|c| c.record.id);
-                batch.undecodable.extend(read.undecodable);
-                batch.finish = Some(Box::new(read.page));
+            if room == 0 {
+                return Ok(batch);
+            }
+            // The per-row rows of this batch go out first, so the page's messages of
+            // their aggregates may follow them in the same batch (see `Log::sort`).
+            match self.log.next_page(options, room, batch.unrecorded()).await {
+                Ok(Some(read)) => {
+                    batch.ready.extend(read.ready);
+                    batch.ready.sort_by_key(|c| c.record.id);
+                    batch.undecodable.extend(read.undecodable);
+                    batch.finish = Some(Box::new(read.page));
+                }
+                Ok(None) => {}
+                // What the per-row side claimed goes out all the same: dropped, its rows
+                // would stay leased with an attempt spent.
+                Err(e) if batch.claimed() > 0 => batch.trouble = Some(e),
+                Err(e) => return Err(e),
             }
             Ok(batch)
         })

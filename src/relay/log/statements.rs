@@ -13,7 +13,7 @@ use super::LogTable;
 use crate::connect::PgPool;
 use crate::error::Result;
 use crate::outbox::Outbox;
-use crate::relay::outcome::{CLAIM_PLAN, MessageColumns, OUTCOME_DEAD, OUTCOME_RETRY, Outcome};
+use crate::relay::outcome::{MessageColumns, OUTCOME_DEAD, OUTCOME_RETRY, Outcome};
 use crate::sql::{Sql, TableName, micros, statement};
 
 statement! {
@@ -25,17 +25,19 @@ statement! {
 }
 
 statement! {
-    /// Opens the next tick, if anything committed since the last one.
+    /// Opens the next tick, if the open one is done as the relay knows it and anything
+    /// committed since.
     pub(crate) struct OpenTick {
         token: BigInt = i64,
         tick: BigInt = i64,
         hi: Text = String,
+        ceiling: BigInt = i64,
         lease_us: BigInt = i64,
     }
 }
 
 statement! {
-    /// Reads the next page of the open tick.
+    /// Reads the next page of the open tick, walking the primary key from `from`.
     pub(crate) struct ReadPage {
         from: BigInt = i64,
         ceiling: BigInt = i64,
@@ -47,9 +49,25 @@ statement! {
 }
 
 statement! {
-    /// The aggregates, of those given, that have rows on the per-row side.
+    /// Reads the next page of the open tick where it starts before `walk_from`: there the
+    /// tick holds rows of transactions that were running when `lo` was taken only, found
+    /// by their transaction ids.
+    pub(crate) struct ReadLatePage {
+        from: BigInt = i64,
+        walk_from: BigInt = i64,
+        ceiling: BigInt = i64,
+        lo: Text = String,
+        hi: Text = String,
+        limit: BigInt = i64,
+        max_bytes: BigInt = i64,
+    }
+}
+
+statement! {
+    /// The aggregates, of those given, that have rows on the per-row side besides `besides`.
     pub(crate) struct PendingAggregates {
         keys: Array<Text> = Vec<String>,
+        besides: Array<BigInt> = Vec<i64>,
     }
 }
 
@@ -97,6 +115,7 @@ pub(crate) struct LogStatements {
     pub(crate) take: Sql<Take>,
     pub(crate) open_tick: Sql<OpenTick>,
     pub(crate) read_page: Sql<ReadPage>,
+    pub(crate) read_late_page: Sql<ReadLatePage>,
     pub(crate) pending_aggregates: Sql<PendingAggregates>,
     pub(crate) advance: Sql<Advance>,
     pub(crate) hand_over: Sql<HandOver>,
@@ -104,18 +123,64 @@ pub(crate) struct LogStatements {
     pub(crate) committed: Sql<Committed>,
 }
 
+/// Planner settings for the statements that read the log: index scans only, and a plan
+/// made for the parameters of each call. PostgreSQL plans a prepared statement once for any
+/// parameters after five calls, and a plan made while the table was small can then scan a
+/// whole index per call; no JIT, whose compiling costs more than these statements run.
+const LOG_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; \
+                        SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
+
+/// Makes the commit of the statement's transaction synchronous whatever the session says
+/// (evaluated in its `WHERE`, so no round trip of its own): a write of the cursor that a
+/// crash or a failover could lose would send the relays back over pages they published.
+const SYNCHRONOUS: &str = "set_config('synchronous_commit', 'on', true) IS NOT NULL";
+
+/// The columns of a page's rows, from the table as `o`.
+const PAGE_COLUMNS: &str = "o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, \
+     o.content_type, o.headers::text AS headers, \
+     CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' \
+     THEN o.created_at END AS created_at, o.available_at > now() AS delayed, \
+     octet_length(o.payload) + octet_length(o.headers::text) AS bytes";
+
+/// A page of `rows` (in id order, at most `limit`), cut at the byte budget (always one row);
+/// `read` says how many rows the scan found, so a page cut by bytes is not taken for the
+/// tick's end.
+fn page_of(rows: &str, limit: &dyn std::fmt::Display, max_bytes: &dyn std::fmt::Display) -> String {
+    format!(
+        "SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, \
+         delayed, read FROM (\n\
+         \x20   SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, \
+         row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (\n\
+         {rows}\n\
+         \x20   ) AS p\n\
+         ) AS q WHERE n < {limit} AND (n = 1 OR total <= {max_bytes}) ORDER BY id"
+    )
+}
+
 impl LogStatements {
     pub(crate) fn render(table: &TableName) -> Self {
         let t = table.quoted();
         let cursor = table.quoted_with("_cursor");
         let lease = |p: &dyn std::fmt::Display| format!("now() + {p} * interval '1 microsecond'");
-        // Rows not visible in `hi`: those of transactions running when it was taken, and
-        // those of transactions begun since. Both are ranges of the `(xid, id)` index.
-        let after_hi = |hi: &dyn std::fmt::Display| {
+        let returning = "lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, \
+                         page_attempts, token";
+        // The tick's rows past `from`, walking the primary key: in id order (within a
+        // tick, each aggregate's order), with the cursor's values as parameters so the scan
+        // starts at `from` and stops at the page's end. The status is compared as an
+        // expression the `(xid, id) WHERE status = 'logged'` index cannot stand for:
+        // offered that smaller index, the planner would read every row of the tick past
+        // `from` and sort them, per page.
+        let walk = |from: &dyn std::fmt::Display,
+                    ceiling: &dyn std::fmt::Display,
+                    lo: &dyn std::fmt::Display,
+                    hi: &dyn std::fmt::Display,
+                    limit: &dyn std::fmt::Display| {
             format!(
-                "(o.xid = ANY(ARRAY(SELECT pg_snapshot_xip({hi}::pg_snapshot))) \
-                 OR o.xid >= pg_snapshot_xmax({hi}::pg_snapshot)) \
-                 AND NOT pg_visible_in_snapshot(o.xid, {hi}::pg_snapshot)"
+                "SELECT {PAGE_COLUMNS}\n\
+                 \x20       FROM {t} o WHERE o.id > {from} AND o.id <= {ceiling} AND (o.status || '') = 'logged'\n\
+                 \x20       AND pg_visible_in_snapshot(o.xid, {hi}::pg_snapshot) \
+                 AND NOT pg_visible_in_snapshot(o.xid, {lo}::pg_snapshot)\n\
+                 \x20       ORDER BY o.id LIMIT {limit}"
             )
         };
         LogStatements {
@@ -129,70 +194,114 @@ impl LogStatements {
                  \x20   page_attempts = CASE WHEN owner IS NOT NULL AND owner <> {owner} AND after < ceiling \
                  THEN least(page_attempts, 2147483646) + 1 ELSE page_attempts END,\n\
                  \x20   owner = {owner}, lease_until = {until}\n\
-                 WHERE part = 0 AND (owner = {owner} OR owner IS NULL OR lease_until <= now())\n\
-                 RETURNING lo::text AS lo, hi::text AS hi, ceiling, after, tick, page_attempts, token",
+                 WHERE part = 0 AND (owner = {owner} OR owner IS NULL OR lease_until <= now()) AND {SYNCHRONOUS}\n\
+                 RETURNING {returning}",
                 owner = Take::owner,
                 until = lease(&Take::lease_us),
             )),
-            // The new tick is every row visible now and not in the old `hi`. It opens only
-            // when the old one is done and has rows; its commit is flushed (synchronous
-            // commit) before any page of it is read, so a writer's asynchronous commit is
-            // never published and then lost in a crash.
+            // The new tick is every row visible now and not in the old `hi`: rows of the
+            // transactions running when `hi` was taken (by their ids) and of those begun
+            // since (a range of ids), each an index condition of its own whatever the plan.
+            // It opens only when the open tick is done, as the relay knows it, and has
+            // rows. The rows of transactions begun since `hi` have larger ids than any row
+            // before (their ids were drawn later): page reads walk the primary key from the
+            // smallest of them (`walk_from`), and find the rest of the tick by transaction
+            // id. Otherwise the cursor as it is comes back, so that the relay can tell a
+            // cursor that moved under it (a write the database lost, an operator) from
+            // nothing new.
             open_tick: Sql::new(format!(
                 "WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS cur),\n\
                  n AS MATERIALIZED (\n\
-                 \x20   SELECT min(o.id) AS floor, max(o.id) AS ceiling FROM {t} o, s\n\
-                 \x20   WHERE o.status = 'logged' AND {fresh} AND pg_visible_in_snapshot(o.xid, s.cur)\n\
+                 \x20   SELECT min(o.id) AS floor, max(o.id) AS ceiling, \
+                 min(o.id) FILTER (WHERE o.xid >= pg_snapshot_xmax({hi}::pg_snapshot)) AS fresh\n\
+                 \x20   FROM (\n\
+                 \x20       SELECT i.id, i.xid FROM {t} i WHERE i.status = 'logged' \
+                 AND i.xid = ANY(ARRAY(SELECT pg_snapshot_xip({hi}::pg_snapshot)))\n\
+                 \x20       UNION ALL\n\
+                 \x20       SELECT i.id, i.xid FROM {t} i WHERE i.status = 'logged' \
+                 AND i.xid >= pg_snapshot_xmax({hi}::pg_snapshot)\n\
+                 \x20   ) AS o, s\n\
+                 \x20   WHERE NOT pg_visible_in_snapshot(o.xid, {hi}::pg_snapshot) \
+                 AND pg_visible_in_snapshot(o.xid, s.cur)\n\
+                 ), opened AS (\n\
+                 \x20   UPDATE {cursor} c SET lo = c.hi, hi = s.cur, ceiling = n.ceiling, after = n.floor - 1, \
+                 walk_from = coalesce(n.fresh - 1, n.ceiling), tick = c.tick + 1, page_attempts = 0, \
+                 lease_until = {until}\n\
+                 \x20   FROM s, n\n\
+                 \x20   WHERE c.part = 0 AND c.token = {token} AND c.tick = {tick} AND c.after = {ceiling} \
+                 AND c.ceiling = {ceiling} AND c.hi::text = {hi} AND n.floor IS NOT NULL\n\
+                 \x20   RETURNING c.lo::text AS lo, c.hi::text AS hi, c.ceiling, c.after, c.walk_from, c.tick, \
+                 c.page_attempts, c.token\n\
                  )\n\
-                 UPDATE {cursor} c SET lo = c.hi, hi = s.cur, ceiling = n.ceiling, after = n.floor - 1, \
-                 tick = c.tick + 1, page_attempts = 0, lease_until = {until}\n\
-                 FROM s, n\n\
-                 WHERE c.part = 0 AND c.token = {token} AND c.tick = {tick} AND c.after = c.ceiling \
-                 AND n.floor IS NOT NULL\n\
-                 RETURNING c.lo::text AS lo, c.hi::text AS hi, c.ceiling, c.after, c.tick, c.page_attempts, c.token",
-                fresh = after_hi(&OpenTick::hi),
+                 SELECT lo, hi, ceiling, after, walk_from, tick, page_attempts, token, true AS opened FROM opened\n\
+                 UNION ALL\n\
+                 SELECT {returning}, false FROM {cursor} WHERE part = 0 AND NOT EXISTS (SELECT 1 FROM opened)",
+                hi = OpenTick::hi,
+                ceiling = OpenTick::ceiling,
                 until = lease(&OpenTick::lease_us),
                 token = OpenTick::token,
                 tick = OpenTick::tick,
             )),
-            // In id order (within a tick, each aggregate's order), with the cursor's values
-            // as parameters so the scan walks the primary key from `from` and stops at the
-            // page's end. The status is compared as an expression the `(xid, id) WHERE
-            // status = 'logged'` index cannot stand for: offered that smaller index, the
-            // planner would read every row of the tick past `from` and sort them, per page. Cut at the byte
-            // budget (always one row); `read` says how many rows the scan found, so a page
-            // cut by bytes is not taken for the tick's end.
-            read_page: Sql::new(format!(
-                "SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, \
-                 delayed, read FROM (\n\
-                 \x20   SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, \
-                 row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (\n\
-                 \x20       SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, \
-                 o.content_type, o.headers::text AS headers, \
-                 CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' \
-                 THEN o.created_at END AS created_at, o.available_at > now() AS delayed, \
-                 octet_length(o.payload) + octet_length(o.headers::text) AS bytes\n\
-                 \x20       FROM {t} o WHERE o.id > {from} AND o.id <= {ceiling} AND (o.status || '') = 'logged'\n\
-                 \x20       AND pg_visible_in_snapshot(o.xid, {hi}::pg_snapshot) \
-                 AND NOT pg_visible_in_snapshot(o.xid, {lo}::pg_snapshot)\n\
-                 \x20       ORDER BY o.id LIMIT {limit}\n\
-                 \x20   ) AS p\n\
-                 ) AS q WHERE n < {limit} AND (n = 1 OR total <= {max_bytes}) ORDER BY id",
-                from = ReadPage::from,
-                ceiling = ReadPage::ceiling,
-                hi = ReadPage::hi,
-                lo = ReadPage::lo,
-                limit = ReadPage::limit,
-                max_bytes = ReadPage::max_bytes,
+            read_page: Sql::new(page_of(
+                &walk(
+                    &ReadPage::from,
+                    &ReadPage::ceiling,
+                    &ReadPage::lo,
+                    &ReadPage::hi,
+                    &ReadPage::limit,
+                ),
+                &ReadPage::limit,
+                &ReadPage::max_bytes,
+            )),
+            // Up to `walk_from` the tick holds only rows of transactions that were running
+            // when `lo` was taken (a transaction left open, committed late): each is found
+            // through the `(xid, id)` index by its transaction id, so the ids of everything
+            // the relays passed meanwhile are skipped, not walked. Past `walk_from`, the
+            // primary key is walked as by `read_page`.
+            read_late_page: Sql::new(page_of(
+                &format!(
+                    "SELECT * FROM (\n\
+                     \x20       (SELECT r.* FROM pg_snapshot_xip({lo}::pg_snapshot) AS x(xid)\n\
+                     \x20       CROSS JOIN LATERAL (SELECT {PAGE_COLUMNS} FROM {t} o \
+                     WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > {from} AND o.id <= {walk_from} \
+                     ORDER BY o.id LIMIT {limit}) AS r\n\
+                     \x20       WHERE pg_visible_in_snapshot(x.xid, {hi}::pg_snapshot) ORDER BY r.id LIMIT {limit})\n\
+                     \x20       UNION ALL\n\
+                     \x20       ({rest})\n\
+                     \x20   ) AS u ORDER BY u.id LIMIT {limit}",
+                    lo = ReadLatePage::lo,
+                    hi = ReadLatePage::hi,
+                    from = ReadLatePage::from,
+                    walk_from = ReadLatePage::walk_from,
+                    limit = ReadLatePage::limit,
+                    rest = walk(
+                        &ReadLatePage::walk_from,
+                        &ReadLatePage::ceiling,
+                        &ReadLatePage::lo,
+                        &ReadLatePage::hi,
+                        &ReadLatePage::limit,
+                    ),
+                ),
+                &ReadLatePage::limit,
+                &ReadLatePage::max_bytes,
             )),
             pending_aggregates: Sql::new(format!(
                 "SELECT DISTINCT aggregate_key AS key FROM {t} \
-                 WHERE status = 'pending' AND aggregate_key = ANY({keys}::text[])",
+                 WHERE status = 'pending' AND aggregate_key = ANY({keys}::text[]) \
+                 AND id <> ALL({besides}::bigint[])",
                 keys = PendingAggregates::keys,
+                besides = PendingAggregates::besides,
             )),
+            // The cursor's token comes back too, so that a guard that matched nothing tells
+            // a takeover (another token) from a cursor that moved under this relay.
             advance: Sql::new(format!(
-                "UPDATE {cursor} SET after = {to}, page_attempts = {attempts}, lease_until = {until}\n\
-                 WHERE part = 0 AND token = {token} AND tick = {tick} AND after = {from}",
+                "WITH moved AS (\n\
+                 \x20   UPDATE {cursor} SET after = {to}, page_attempts = {attempts}, lease_until = {until}\n\
+                 \x20   WHERE part = 0 AND token = {token} AND tick = {tick} AND after = {from} AND {SYNCHRONOUS}\n\
+                 \x20   RETURNING 1\n\
+                 )\n\
+                 SELECT EXISTS (SELECT 1 FROM moved) AS moved, \
+                 (SELECT c.token FROM {cursor} c WHERE c.part = 0) AS token",
                 to = Advance::to,
                 attempts = Advance::page_attempts,
                 until = lease(&Advance::lease_us),
@@ -220,7 +329,7 @@ impl LogStatements {
             )),
             give_back: Sql::new(format!(
                 "UPDATE {cursor} SET owner = NULL, lease_until = now() \
-                 WHERE part = 0 AND owner = {owner} AND token = {token}",
+                 WHERE part = 0 AND owner = {owner} AND token = {token} AND {SYNCHRONOUS}",
                 owner = GiveBack::owner,
                 token = GiveBack::token,
             )),
@@ -248,6 +357,7 @@ impl crate::sql::Listed for LogStatements {
             take,
             open_tick,
             read_page,
+            read_late_page,
             pending_aggregates,
             advance,
             hand_over,
@@ -258,6 +368,7 @@ impl crate::sql::Listed for LogStatements {
             ("log take".into(), take.text()),
             ("log open_tick".into(), open_tick.text()),
             ("log read_page".into(), read_page.text()),
+            ("log read_late_page".into(), read_late_page.text()),
             ("log pending_aggregates".into(), pending_aggregates.text()),
             ("log advance".into(), advance.text()),
             ("log hand_over".into(), hand_over.text()),
@@ -268,7 +379,8 @@ impl crate::sql::Listed for LogStatements {
 }
 
 /// The cursor row: the open tick (rows visible in `hi` and not in `lo`), how far into it
-/// the relays are done (`after`; `ceiling` is the tick's largest id), and the lease.
+/// the relays are done (`after`; `ceiling` is the tick's largest id; past `walk_from` page
+/// reads walk the primary key), and the lease's token.
 #[derive(QueryableByName, Debug, Clone, PartialEq, Eq)]
 pub(crate) struct CursorRow {
     #[diesel(sql_type = Text)]
@@ -280,11 +392,51 @@ pub(crate) struct CursorRow {
     #[diesel(sql_type = BigInt)]
     pub(crate) after: i64,
     #[diesel(sql_type = BigInt)]
+    pub(crate) walk_from: i64,
+    #[diesel(sql_type = BigInt)]
     pub(crate) tick: i64,
     #[diesel(sql_type = Integer)]
     pub(crate) page_attempts: i32,
     #[diesel(sql_type = BigInt)]
     pub(crate) token: i64,
+}
+
+impl CursorRow {
+    /// Whether `other` is the same place in the log (its lease's token aside, and the
+    /// attempts counted at that place).
+    pub(crate) fn same_place(&self, other: &CursorRow) -> bool {
+        (
+            self.tick,
+            self.after,
+            self.ceiling,
+            self.walk_from,
+            &self.lo,
+            &self.hi,
+        ) == (
+            other.tick,
+            other.after,
+            other.ceiling,
+            other.walk_from,
+            &other.lo,
+            &other.hi,
+        )
+    }
+}
+
+#[derive(QueryableByName)]
+struct OpenedRow {
+    #[diesel(embed)]
+    cursor: CursorRow,
+    #[diesel(sql_type = Bool)]
+    opened: bool,
+}
+
+#[derive(QueryableByName)]
+struct AdvanceRow {
+    #[diesel(sql_type = Bool)]
+    moved: bool,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    token: Option<i64>,
 }
 
 /// A row of a page of the log.
@@ -320,6 +472,24 @@ pub(crate) struct Guard {
     pub(crate) tick: i64,
     /// `after` as the page was read from it.
     pub(crate) from: i64,
+}
+
+/// What a tick open found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Opened {
+    /// A tick opened: the cursor at its start.
+    Tick(CursorRow),
+    /// None opened: the cursor as the database holds it (`None`: the table has none).
+    Not(Option<CursorRow>),
+}
+
+/// What a page finish's compare-and-set found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Advanced {
+    /// The cursor moved past the page.
+    Moved,
+    /// The guard matched nothing; the cursor's token now (`None`: the table has no cursor).
+    Guarded { token: Option<i64> },
 }
 
 /// The log's statements run on the pool: each call checks a connection out.
@@ -360,28 +530,27 @@ impl LogTable for PgLog {
         &'a self,
         at: &'a CursorRow,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Option<CursorRow>>> {
+    ) -> BoxFuture<'a, Result<Opened>> {
         Box::pin(async move {
             let mut conn = crate::checkout(&self.pool).await?;
             let query = self.sql().open_tick.bind(OpenTick {
                 token: at.token,
                 tick: at.tick,
                 hi: at.hi.clone(),
+                ceiling: at.ceiling,
                 lease_us: micros(lease),
             });
-            let rows: Vec<CursorRow> = conn
+            let rows: Vec<OpenedRow> = conn
                 .transaction(async move |c| {
-                    // Stale statistics must not turn the tick's index ranges into a scan of
-                    // the table's whole history.
-                    c.batch_execute(
-                        "SET LOCAL synchronous_commit = on; SET LOCAL enable_seqscan = off",
-                    )
-                    .await?;
+                    c.batch_execute(LOG_PLAN).await?;
                     query.load(c).await
                 })
                 .await
                 .map_err(|e| self.outbox.db_error(e))?;
-            Ok(rows.into_iter().next())
+            Ok(match rows.into_iter().next() {
+                Some(row) if row.opened => Opened::Tick(row.cursor),
+                row => Opened::Not(row.map(|r| r.cursor)),
+            })
         })
     }
 
@@ -394,16 +563,31 @@ impl LogTable for PgLog {
     ) -> BoxFuture<'a, Result<Vec<PageRow>>> {
         Box::pin(async move {
             let mut conn = crate::checkout(&self.pool).await?;
-            let query = self.sql().read_page.bind(ReadPage {
-                from,
-                ceiling: at.ceiling,
-                lo: at.lo.clone(),
-                hi: at.hi.clone(),
-                limit: i64::try_from(limit).unwrap_or(i64::MAX),
-                max_bytes: i64::try_from(max_bytes).unwrap_or(i64::MAX),
-            });
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+            let sql = self.sql();
+            let query = if from < at.walk_from {
+                sql.read_late_page.bind(ReadLatePage {
+                    from,
+                    walk_from: at.walk_from,
+                    ceiling: at.ceiling,
+                    lo: at.lo.clone(),
+                    hi: at.hi.clone(),
+                    limit,
+                    max_bytes,
+                })
+            } else {
+                sql.read_page.bind(ReadPage {
+                    from,
+                    ceiling: at.ceiling,
+                    lo: at.lo.clone(),
+                    hi: at.hi.clone(),
+                    limit,
+                    max_bytes,
+                })
+            };
             conn.transaction(async move |c| {
-                c.batch_execute(CLAIM_PLAN).await?;
+                c.batch_execute(LOG_PLAN).await?;
                 query.load(c).await
             })
             .await
@@ -414,13 +598,14 @@ impl LogTable for PgLog {
     fn pending_aggregates<'a>(
         &'a self,
         keys: Vec<String>,
+        besides: Vec<i64>,
     ) -> BoxFuture<'a, Result<HashSet<String>>> {
         Box::pin(async move {
             let mut conn = crate::checkout(&self.pool).await?;
             let keys: Vec<KeyRow> = self
                 .sql()
                 .pending_aggregates
-                .bind(PendingAggregates { keys })
+                .bind(PendingAggregates { keys, besides })
                 .load(&mut conn)
                 .await
                 .map_err(|e| self.outbox.db_error(e))?;
@@ -435,7 +620,7 @@ impl LogTable for PgLog {
         page_attempts: i32,
         hand_over: &'a [Outcome],
         lease: Duration,
-    ) -> BoxFuture<'a, Result<bool>> {
+    ) -> BoxFuture<'a, Result<Advanced>> {
         Box::pin(async move {
             let mut conn = crate::checkout(&self.pool).await?;
             let sql = self.sql();
@@ -459,18 +644,30 @@ impl LogTable for PgLog {
                         .collect(),
                 })
             });
-            conn.transaction(async move |c| {
-                // The cursor first: two finishes never both hold a lock they must upgrade.
-                if advance.execute(c).await? == 0 {
-                    return Ok(false);
-                }
-                if let Some(hand) = hand {
-                    hand.execute(c).await?;
-                }
-                Ok(true)
-            })
-            .await
-            .map_err(|e: diesel::result::Error| self.outbox.db_error(e))
+            // The table before the cursor, as every transaction that writes both takes
+            // them (a tick open reads the table, then writes the cursor; a move locks the
+            // table, then deletes the cursor): a finish and a move never wait on each other
+            // in a cycle. A finish that hands nothing over writes the cursor alone.
+            let mut guarded = None;
+            let done = conn
+                .transaction(async |c| {
+                    if let Some(hand) = hand {
+                        hand.execute(c).await?;
+                    }
+                    let row: AdvanceRow = advance.get_result(c).await?;
+                    if !row.moved {
+                        // Nothing of this finish may stay.
+                        guarded = Some(row.token);
+                        return Err(diesel::result::Error::RollbackTransaction);
+                    }
+                    Ok(())
+                })
+                .await;
+            match (done, guarded) {
+                (Ok(()), _) => Ok(Advanced::Moved),
+                (Err(_), Some(token)) => Ok(Advanced::Guarded { token }),
+                (Err(e), None) => Err(self.outbox.db_error(e)),
+            }
         })
     }
 

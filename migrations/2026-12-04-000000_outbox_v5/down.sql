@@ -1,0 +1,3 @@
+ALTER TABLE "outbox_cursor" DROP COLUMN IF EXISTS walk_from;
+
+DELETE FROM "outbox_migrations" WHERE version = 5;
