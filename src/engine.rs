@@ -25,10 +25,22 @@ pub enum Engine {
     /// delayed, or follows a failed message of its aggregate is handed to the per-row
     /// machinery, whose retries, backoff and dead letters apply to it from there.
     ///
-    /// Hazards: a transaction left open holds back nothing but makes the page reads walk
-    /// past the rows committed meanwhile once; the rows carry the cluster's transaction
-    /// ids, so a table copied into another cluster (a dump restored, a logical copy) must
-    /// be moved to [`Engine::PerRow`] before the copy and back after it.
+    /// A transaction left open holds nothing back: its rows are read by their transaction's
+    /// id when it commits, not by walking the rows committed meanwhile. The relay trusts
+    /// the database's cursor over its own view: a write of the cursor the database lost (a
+    /// failover to an asynchronous standby, a crash) or an operator's change makes it read
+    /// on from where the cursor is, publishing again what lies between.
+    ///
+    /// Hazards: one relay at a time holds the cursor (others relay the per-row side and take
+    /// the cursor over within a lease), and a publish that hangs holds the next tick back
+    /// until the publisher's timeout ends it. A dead message redriven while later messages
+    /// of its aggregate are being published from the log may be published beside them.
+    /// Retention keeps a message of the log for the retention after its enqueue, not after
+    /// its publish. After a failover to an asynchronous standby the new primary may lack
+    /// commits the relays published from the old one (PostgreSQL's loss of those commits).
+    /// The rows carry the cluster's transaction ids, so a table copied into another cluster
+    /// (a dump restored, a logical copy) must be moved to [`Engine::PerRow`] before the copy
+    /// and back after it.
     Log,
 }
 

@@ -355,6 +355,8 @@ impl Outbox {
     ///
     /// A redriven message with an aggregate key is published after the messages of its
     /// aggregate that overtook it while it was dead: redrive restores delivery, not order.
+    /// On the log engine it may even be published beside a later message of its aggregate
+    /// that is being published from the log at that moment.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for an empty key; [`Error::NotMigrated`] or a database
@@ -407,8 +409,11 @@ impl Outbox {
 
     /// Deletes sent rows whose `sent_at` is older than `older_than`, in batches of 1,000,
     /// and returns how many went; on the log engine also the log's rows its cursor has
-    /// passed that were enqueued longer ago than `older_than`. Once a row is gone,
-    /// enqueueing its key again is no longer reported as a duplicate.
+    /// passed that were enqueued longer ago than `older_than` (oldest transactions first, a
+    /// batch at a time, so a row waits for the older transactions' rows before it). Once a
+    /// row is gone, enqueueing its key again is no longer reported as a duplicate: on the
+    /// log engine that window counts from the enqueue, so a message published late (after
+    /// an outage longer than `older_than`) keeps its key for less after its publish.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for an age that does not fit PostgreSQL's interval;

@@ -282,9 +282,9 @@ async fn a_failing_look_at_the_log_does_not_drop_the_claimed_batch() {
 }
 
 /// A transaction that stays open while half a million messages are relayed, then
-/// commits beside a fresh message: its tick spans every id committed meanwhile. Under a
-/// statement timeout of 100 ms on the relay's sessions both are still delivered: reading
-/// the tick does not walk the ids it has passed.
+/// commits beside a fresh message: its tick spans every id committed meanwhile. Reading the
+/// tick does not walk the ids the relays passed (the entries read say so), and under a
+/// statement timeout of 100 ms on the relay's sessions both messages are delivered.
 #[tokio::test]
 async fn a_late_commit_is_delivered_under_a_statement_timeout() {
     let mut f = log_fixture().await;
@@ -336,6 +336,8 @@ async fn a_late_commit_is_delivered_under_a_statement_timeout() {
         .without_listen()
         .build()
         .unwrap();
+    let counter = common::pool(1).await;
+    let before = entries_read(&counter, &t).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut last = None;
     while recorder.len() < 2 && Instant::now() < deadline {
@@ -348,9 +350,14 @@ async fn a_late_commit_is_delivered_under_a_statement_timeout() {
             }
         }
     }
+    let read = entries_read(&counter, &t).await - before;
     let mut keys = recorder.keys();
     keys.sort();
     assert_eq!(keys, ["fresh", "late"], "the last error: {last:?}");
+    assert!(
+        read < 10_000,
+        "relaying the late tick read {read} index and table entries"
+    );
 }
 
 /// Takeovers at one place of a tick count against that page only: once a page finishes
@@ -672,5 +679,56 @@ async fn moving_off_the_log_rewrites_only_the_backlog_under_the_lock() {
         f.count("status = 'sent' AND sent_at < now() - interval '1 minute'")
             .await,
         0
+    );
+}
+
+/// Clones of one relay share its hold on the log's cursor: a clone's cycle that ends
+/// (`run_once` gives the cursor back at its end) leaves it to the clone whose page is in
+/// flight, which then finishes its page: nothing is published twice.
+#[tokio::test]
+async fn a_clones_cycle_ending_leaves_the_cursor_to_the_clone_still_running() {
+    let mut f = log_fixture().await;
+    for i in 0..5 {
+        f.enqueue(Message::new("t", "x").key(format!("k{i}"))).await;
+    }
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let recorder = Recorder::default();
+    let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let publisher = {
+        let (gate, recorder, started) = (gate.clone(), recorder.clone(), started.clone());
+        publisher_fn(move |record| {
+            let (gate, recorder, started) = (gate.clone(), recorder.clone(), started.clone());
+            async move {
+                started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                gate.acquire().await.unwrap().forget();
+                recorder.push(record);
+                Ok(())
+            }
+        })
+    };
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        .concurrency(8)
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay.clone());
+    eventually(DEADLINE, "the page published", || {
+        let n = std::sync::atomic::AtomicUsize::load(&started, std::sync::atomic::Ordering::SeqCst);
+        async move { (n == 5).then_some(()) }
+    })
+    .await;
+    // A clone's cycle, while the page is out: it finds nothing to take, and ends.
+    assert_eq!(relay.run_once().await.unwrap(), 0);
+    gate.add_permits(1_000);
+    f.wait_rows("status = 'sent'", 5).await;
+    // Long enough for a page read again to go out.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop_relay(stop, task).await;
+    let counts = publishes(&recorder);
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "published twice: {counts:?}"
     );
 }

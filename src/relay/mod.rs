@@ -149,7 +149,8 @@ impl<P: Publisher> RelayBuilder<P> {
 
     /// Sent rows older than this are purged by the relay, in small batches; `None` keeps
     /// them. While a sent row exists, enqueueing its key again is reported as a duplicate.
-    /// Defaults to 7 days.
+    /// On the log engine a row of the log counts from its enqueue (see
+    /// [`Outbox::purge_sent`]). Defaults to 7 days.
     pub fn retention(mut self, retention: impl Into<Option<Duration>>) -> Self {
         self.options.retention = retention.into();
         self
@@ -223,10 +224,11 @@ impl<P: Publisher> RelayBuilder<P> {
 /// Ships committed outbox rows to a [`Publisher`], at least once.
 ///
 /// Cheap to clone: clones share the configuration, the publisher and the metrics. Each call
-/// of [`Relay::run_until`] is a relay of its own (its own id, LISTEN connection and lease
-/// holder), so running two clones at once gives two relays. Run one or many relays (in one
-/// process or many) on the same table; leases and fencing keep them from publishing a row
-/// twice except after a lease expiry or a crash.
+/// of [`Relay::run_until`] is a relay of its own (its own id, LISTEN connection and row
+/// leases), so running two clones at once gives two relays; on the log engine they share
+/// this relay's hold on the log's cursor, and the last of them to stop gives it back. Run
+/// one or many relays (in one process or many) on the same table; leases and fencing keep
+/// them from publishing a row twice except after a lease expiry or a crash.
 pub struct Relay<P> {
     inner: Arc<RelayShared<P>>,
 }
@@ -322,11 +324,13 @@ impl<P: Publisher> Relay<P> {
     /// Runs one cycle (claim, publish, record) and returns how many rows it claimed.
     /// Needs no LISTEN connection and starts no janitor. On the log engine it holds the
     /// log's cursor for the cycle only and gives it back at the end, as a run gives it back
-    /// at shutdown, so any relay may run the next cycle.
+    /// at shutdown, so any relay may run the next cycle (unless a clone of this relay is
+    /// running: the cursor stays with it).
     ///
     /// # Errors
     /// A database or pool error, or [`Error::NotMigrated`](crate::Error::NotMigrated).
     pub async fn run_once(&self) -> Result<usize> {
+        self.inner.store.join();
         let claimed = self.one_cycle().await;
         self.inner.store.leave().await;
         claimed

@@ -136,6 +136,7 @@ impl<P: Publisher> Relay<P> {
         };
         tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
         let _running = inner.vitals.running();
+        inner.store.join();
         let pool = inner.store.pool();
         let listener = pool.filter(|_| inner.options.listen).map(|pool| {
             AbortOnDrop::new(tokio::spawn(listener::run(

@@ -38,8 +38,10 @@ pub(crate) trait Store: Send + Sync + 'static {
     fn record<'a>(&'a self, outcomes: &'a [Outcome]) -> BoxFuture<'a, Result<usize>>;
     /// A cheap look: whether a take may find work now.
     fn due(&self) -> BoxFuture<'_, Result<bool>>;
-    /// Gives back what the engine holds for the run (the log's cursor), once every batch
-    /// of the run is over.
+    /// A run (of the relay or of one of its clones) begins to take work.
+    fn join(&self) {}
+    /// A run that [joined](Store::join) is over, every batch of it too: once no run of
+    /// the relay is left, what the engine holds for them (the log's cursor) goes back.
     fn leave(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }

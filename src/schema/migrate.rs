@@ -34,7 +34,8 @@ impl Outbox {
     /// engine, the rows the log had published become `sent` in batches once the lock is
     /// released (a `migrate` that stops before the end finishes them next time). Called
     /// inside a transaction of yours, it runs in a savepoint of it, and does all of that
-    /// in it.
+    /// in it. Upgrading a large table to schema version 4 holds its lock while the log's
+    /// index is built and the status check validated (about 0.4 s per million rows).
     ///
     /// # Errors
     /// [`Error::Migration`] when the database holds a newer version than this crate knows,

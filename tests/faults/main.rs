@@ -22,10 +22,11 @@
 //!   the business rows), and poison rows written by SQL (headers serde cannot read, an
 //!   `infinity` enqueue time, headers too large for the broker, a header or topic it
 //!   refuses).
-//! - PostgreSQL failover (`failover.rs`): a primary and a synchronous streaming replica of
-//!   the test's own; mid-run the replica is promoted and the old primary stopped, and
-//!   writers, relays, their LISTEN connections and the consumer follow through a
-//!   multi-host URL.
+//! - PostgreSQL failover (`failover.rs`): a primary and a streaming replica of the test's
+//!   own, synchronous or asynchronous; mid-run the replica is promoted and the old primary
+//!   stopped (an asynchronous one a moment later, so that the new primary lacks its last
+//!   commits), and writers, relays, their LISTEN connections and the consumer follow
+//!   through a multi-host URL.
 //!
 //! The tests in this binary restart shared services, so they run one at a time (and cargo
 //! runs test binaries one after another).
@@ -103,7 +104,30 @@ async fn fault_suite_failover_ci_tier() {
         return;
     }
     let _serial = SERIAL.lock().await;
-    failover::run(failover_ci_tier()).await;
+    failover::run(failover_ci_tier(), failover::Replication::Synchronous).await;
+}
+
+/// PostgreSQL fails over once mid-run to an asynchronous replica, the old primary taking
+/// commits for three seconds more that the new primary never sees: the relays finish the
+/// tick they opened there, and the new primary has the tick's start only. The relays find
+/// the log's cursor behind where they left it and read on from there: every message the
+/// new primary holds is delivered, in order, and nothing stalls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fault_suite_async_failover_ci_tier() {
+    if !local_tools("fault_suite_async_failover_ci_tier", Kind::RabbitMq)
+        || !common::services::needs(
+            "fault_suite_async_failover_ci_tier",
+            common::cluster::missing(),
+        )
+    {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    failover::run(
+        failover_ci_tier(),
+        failover::Replication::Asynchronous(Duration::from_secs(3)),
+    )
+    .await;
 }
 
 /// Whether the servers this test drives are the local ones (not containers, which their
@@ -193,7 +217,7 @@ async fn fault_suite_long_tier_failover() {
         writing: Duration::from_secs(5 * 60),
         postgres_restarts: 3,
     };
-    failover::run(tier).await;
+    failover::run(tier, failover::Replication::Synchronous).await;
 }
 
 fn long_tier() -> Tier {

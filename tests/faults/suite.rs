@@ -40,6 +40,7 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
         &broker,
         proxy.addr,
         Duration::from_millis(200),
+        LEASE,
         logs.clone(),
     );
 
@@ -148,7 +149,7 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
 
     // Faults stop; everything must drain.
     relays.revive();
-    let drained_in = harness::wait_drained(&db, &log, &broker).await;
+    let drained_in = harness::wait_drained(&db, &log, &broker, harness::Durability::Every).await;
     relays.stop_all();
     // Every publish is confirmed by now, late duplicates of stale relays included.
     broker.wait_consumed().await;
@@ -157,6 +158,7 @@ pub(crate) async fn run(kind: Kind, tier: Tier) {
 
     let fenced = harness::check(Run {
         label: format!("{kind:?}"),
+        durability: harness::Durability::Every,
         db: &db,
         log: &log,
         relays: &relays,

@@ -100,6 +100,8 @@ pub(crate) struct Log {
     cursor: Mutex<Cursor>,
     /// Serialises page reads (a relay's clones running at once share one `Log`).
     reader: tokio::sync::Mutex<()>,
+    /// Runs of the relay (and its clones) under way: the last to end gives the cursor back.
+    runs: std::sync::atomic::AtomicUsize,
     /// Signals every finish.
     finished: watch::Sender<()>,
 }
@@ -118,6 +120,7 @@ impl Log {
             owner,
             cursor: Mutex::new(Cursor::default()),
             reader: tokio::sync::Mutex::new(()),
+            runs: std::sync::atomic::AtomicUsize::new(0),
             finished: watch::Sender::new(()),
         })
     }
@@ -157,8 +160,30 @@ impl Log {
         }
     }
 
-    /// Gives the cursor's lease back at shutdown, so another relay takes over at once.
-    pub(crate) async fn give_back(&self) {
+    /// A run begins.
+    pub(crate) fn join(&self) {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A run ended: the last one gives the cursor's lease back, so another relay takes
+    /// over at once. A run that ends while a clone's run goes on leaves the cursor to it:
+    /// the clone's pages in flight stay good.
+    pub(crate) async fn leave(&self) {
+        let was = self
+            .runs
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| Some(n.saturating_sub(1)),
+            )
+            .unwrap_or(0);
+        if was <= 1 {
+            self.give_back().await;
+        }
+    }
+
+    /// Gives the cursor's lease back.
+    async fn give_back(&self) {
         let Some(token) = self.cursor().token() else {
             return;
         };
@@ -225,8 +250,12 @@ impl Store for LogEngine {
         Box::pin(async move { Ok(self.per_row.due().await? || self.log.has_work().await?) })
     }
 
+    fn join(&self) {
+        self.log.join();
+    }
+
     fn leave(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.log.give_back())
+        Box::pin(self.log.leave())
     }
 
     fn stats(&self) -> BoxFuture<'_, Result<Stats>> {
