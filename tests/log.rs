@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::fakes::{CountingMetrics, Recorder};
-use common::{DEADLINE, Fixture, eventually, fixture, spawn_relay, stop_relay};
+use common::{DEADLINE, Fixture, entries_read, eventually, fixture, spawn_relay, stop_relay};
 use diesel::QueryableByName;
 use diesel::sql_types::BigInt;
 use diesel_async::{
@@ -52,23 +52,43 @@ fn publishes(recorder: &Recorder) -> HashMap<String, usize> {
     counts
 }
 
-/// Index and table entries read from `table` so far, as the statistics collector counts.
-async fn entries_read(pool: &diesel_outbox::PgPool, table: &str) -> i64 {
-    let mut conn = pool.get().await.unwrap();
-    // Stats reach the shared counters when the backend next goes idle.
-    conn.batch_execute("SELECT pg_stat_force_next_flush()")
+/// Commits `n` rows of the log in one statement, keys `<prefix>1` to `<prefix>n`.
+async fn insert_rows(f: &mut Fixture, prefix: &str, n: u32) {
+    f.conn
+        .batch_execute(&format!(
+            "INSERT INTO {t} (idempotency_key, topic, payload) \
+             SELECT '{prefix}' || g, 't', '\\x00' FROM generate_series(1, {n}) g",
+            t = f.outbox.table()
+        ))
         .await
         .unwrap();
-    scalar(
-        &mut conn,
-        &format!(
-            "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes \
-             WHERE relid = '{table}'::regclass)::bigint \
-             + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables \
-             WHERE relid = '{table}'::regclass) AS n"
-        ),
-    )
-    .await
+}
+
+/// A relay on `pool` whose publisher confirms at once, in batches of 1,000, without LISTEN.
+fn instant_relay(
+    f: &Fixture,
+    pool: &diesel_outbox::PgPool,
+) -> diesel_outbox::Relay<impl diesel_outbox::Publisher + use<>> {
+    f.outbox
+        .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
+        .batch_size(1000)
+        .without_listen()
+        .build()
+        .unwrap()
+}
+
+/// As if a relay had published every row committed so far: the cursor's tick ends at the
+/// last of them (and leaves out the transactions still running).
+async fn pass_everything(f: &mut Fixture) {
+    let t = f.outbox.table();
+    f.conn
+        .batch_execute(&format!(
+            "UPDATE {t}_cursor SET lo = pg_current_snapshot(), hi = pg_current_snapshot(), \
+             ceiling = (SELECT max(id) FROM {t}), after = (SELECT max(id) FROM {t}), \
+             tick = tick + 1"
+        ))
+        .await
+        .unwrap();
 }
 
 /// The database loses the cursor's last write (a failover to an asynchronous standby, a
@@ -244,15 +264,7 @@ async fn a_failing_look_at_the_log_does_not_drop_the_claimed_batch() {
         ))
         .await
         .unwrap();
-    let url = format!(
-        "{}{}options=-c%20role%3D{role}",
-        common::database_url(),
-        if common::database_url().contains('?') {
-            '&'
-        } else {
-            '?'
-        }
-    );
+    let url = common::with_options(&common::database_url(), &format!("-c role={role}"));
     let pool = common::pool_for(2, url).await;
     let recorder = Recorder::default();
     let relay = f
@@ -297,37 +309,15 @@ async fn a_late_commit_is_delivered_under_a_statement_timeout() {
         .enqueue(&mut late, Message::new("t", "x").key("late"))
         .await
         .unwrap();
-    f.conn
-        .batch_execute(&format!(
-            "INSERT INTO {t} (idempotency_key, topic, payload) \
-             SELECT 'passed' || g, 't', '\\x00' FROM generate_series(1, 500000) g"
-        ))
-        .await
-        .unwrap();
-    // As if a relay had published those: the cursor's tick ends at the last of them, and
-    // the open transaction is not in it.
-    f.conn
-        .batch_execute(&format!(
-            "UPDATE {t}_cursor SET lo = pg_current_snapshot(), hi = pg_current_snapshot(), \
-             ceiling = (SELECT max(id) FROM {t}), after = (SELECT max(id) FROM {t}), \
-             tick = tick + 1"
-        ))
-        .await
-        .unwrap();
+    insert_rows(&mut f, "passed", 500000).await;
+    // The open transaction is not in the cursor's tick.
+    pass_everything(&mut f).await;
     f.enqueue(Message::new("t", "x").key("fresh")).await;
     AnsiTransactionManager::commit_transaction(&mut late)
         .await
         .unwrap();
 
-    let url = format!(
-        "{}{}options=-c%20statement_timeout%3D100",
-        common::database_url(),
-        if common::database_url().contains('?') {
-            '&'
-        } else {
-            '?'
-        }
-    );
+    let url = common::with_options(&common::database_url(), "-c statement_timeout=100");
     let pool = common::pool_for(2, url).await;
     let recorder = Recorder::default();
     let relay = f
@@ -430,13 +420,7 @@ async fn the_log_keeps_its_plans_from_an_empty_tables_statistics() {
     let t = f.outbox.table().to_owned();
     f.conn.batch_execute(&format!("ANALYZE {t}")).await.unwrap();
     let pool = common::pool(1).await;
-    let relay = f
-        .outbox
-        .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
-        .batch_size(1000)
-        .without_listen()
-        .build()
-        .unwrap();
+    let relay = instant_relay(&f, &pool);
     for round in 0..25 {
         f.conn
             .batch_execute(&format!(
@@ -527,21 +511,9 @@ async fn one_relay_on_a_steady_stream_is_never_fenced() {
 async fn retention_on_the_log_reads_in_proportion_to_what_it_deletes() {
     let mut f = log_fixture().await;
     let t = f.outbox.table().to_owned();
-    f.conn
-        .batch_execute(&format!(
-            "INSERT INTO {t} (idempotency_key, topic, payload) \
-             SELECT 'young' || g, 't', '\\x00' FROM generate_series(1, 20000) g"
-        ))
-        .await
-        .unwrap();
+    insert_rows(&mut f, "young", 20000).await;
     let pool = common::pool(1).await;
-    let relay = f
-        .outbox
-        .relay(pool.clone(), publisher_fn(|_| async { Ok(()) }))
-        .batch_size(1000)
-        .without_listen()
-        .build()
-        .unwrap();
+    let relay = instant_relay(&f, &pool);
     while relay.run_once().await.unwrap() > 0 {}
     assert_eq!(f.count("status = 'sent'").await, 20_000);
     let before = entries_read(&pool, &t).await;
@@ -572,22 +544,8 @@ async fn stats_on_the_log_read_the_backlog_not_the_history() {
     old.batch_execute("BEGIN; SELECT pg_current_xact_id()")
         .await
         .unwrap();
-    f.conn
-        .batch_execute(&format!(
-            "INSERT INTO {t} (idempotency_key, topic, payload) \
-             SELECT 'old' || g, 't', '\\x00' FROM generate_series(1, 150000) g"
-        ))
-        .await
-        .unwrap();
-    // As if a relay had published those: the cursor's tick ends at the last of them.
-    f.conn
-        .batch_execute(&format!(
-            "UPDATE {t}_cursor SET lo = pg_current_snapshot(), hi = pg_current_snapshot(), \
-             ceiling = (SELECT max(id) FROM {t}), after = (SELECT max(id) FROM {t}), \
-             tick = tick + 1"
-        ))
-        .await
-        .unwrap();
+    insert_rows(&mut f, "old", 150000).await;
+    pass_everything(&mut f).await;
     for i in 0..5 {
         f.enqueue(Message::new("t", "x").key(format!("new{i}")))
             .await;
@@ -615,20 +573,8 @@ async fn stats_on_the_log_read_the_backlog_not_the_history() {
 async fn moving_off_the_log_rewrites_only_the_backlog_under_the_lock() {
     let mut f = log_fixture().await;
     let t = f.outbox.table().to_owned();
-    f.conn
-        .batch_execute(&format!(
-            "INSERT INTO {t} (idempotency_key, topic, payload) \
-             SELECT 'old' || g, 't', '\\x00' FROM generate_series(1, 3000) g"
-        ))
-        .await
-        .unwrap();
-    let relay = f
-        .outbox
-        .relay(f.pool.clone(), publisher_fn(|_| async { Ok(()) }))
-        .batch_size(1000)
-        .without_listen()
-        .build()
-        .unwrap();
+    insert_rows(&mut f, "old", 3000).await;
+    let relay = instant_relay(&f, &f.pool);
     while relay.run_once().await.unwrap() > 0 {}
     for i in 0..7 {
         f.enqueue(Message::new("t", "x").key(format!("backlog{i}")))

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::fakes::{CountingMetrics, Hanging, Recorder};
-use common::{DEADLINE, Fixture, TestSchema, eventually, fixture, spawn_relay, stop_relay};
+use common::{
+    DEADLINE, Fixture, TestSchema, entries_read, eventually, fixture, spawn_relay, stop_relay,
+};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -1376,30 +1378,6 @@ async fn a_claim_reads_in_proportion_to_its_batch() {
         (100..2_000).contains(&read),
         "claiming and recording 100 rows read {read} index and table entries"
     );
-}
-
-/// Index and table entries read from `table` so far, as the statistics collector counts.
-async fn entries_read(pool: &diesel_outbox::PgPool, table: &str) -> i64 {
-    #[derive(QueryableByName)]
-    struct Read {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    let mut conn = pool.get().await.unwrap();
-    // Stats reach the shared counters when the backend next goes idle.
-    conn.batch_execute("SELECT pg_stat_force_next_flush()")
-        .await
-        .unwrap();
-    let read: Read = diesel::sql_query(format!(
-        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes \
-         WHERE relid = '{table}'::regclass)::bigint \
-         + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables \
-         WHERE relid = '{table}'::regclass) AS n"
-    ))
-    .get_result(&mut conn)
-    .await
-    .unwrap();
-    read.n
 }
 
 #[tokio::test]

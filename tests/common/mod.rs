@@ -152,6 +152,39 @@ pub fn with_application_name(url: &str, name: &str) -> String {
     format!("{url}{sep}application_name={name}")
 }
 
+/// `url` with the server `options` (`-c name=value`, as libpq takes them).
+pub fn with_options(url: &str, options: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let encoded = options.replace(' ', "%20").replace('=', "%3D");
+    format!("{url}{sep}options={encoded}")
+}
+
+/// Index and table entries read from `table` so far, as the statistics collector counts,
+/// asked on a connection of `pool`.
+pub async fn entries_read(pool: &diesel_outbox::PgPool, table: &str) -> i64 {
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Read {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let mut conn = pool.get().await.unwrap();
+    // Stats reach the shared counters when the backend next goes idle.
+    conn.batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    let read: Read = diesel::sql_query(format!(
+        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes \
+         WHERE relid = '{table}'::regclass)::bigint \
+         + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables \
+         WHERE relid = '{table}'::regclass) AS n"
+    ))
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    read.n
+}
+
 /// A pool of `size` connections to `url`, without the per-checkout test query.
 pub async fn pool_for(size: u32, url: String) -> diesel_outbox::PgPool {
     use diesel_async::pooled_connection::AsyncDieselConnectionManager;
