@@ -249,7 +249,7 @@ struct OutcomeRow {
 }
 
 impl PerRow {
-    /// Claims up to `batch_size` due rows with one statement (see `StoreStatements::claim`),
+    /// Claims up to `batch_size` due rows with one statement (see `PerRowStatements::render`),
     /// leaving the `held` rows alone.
     pub(crate) async fn claim(
         &self,

@@ -129,7 +129,9 @@ impl Page {
             Some(Advanced::Guarded { token }) if token == Some(guard.token) => {
                 tracing::warn!(
                     table = %log.name, rows = self.rows.len(),
-                    "the log's cursor is not where this relay left it (a write the database                      lost in a failover or a crash, or an operator's change): reading it again;                      this page's messages may be published again"
+                    "the log's cursor is not where this relay left it (a write the database \
+                     lost in a failover or a crash, or an operator's change): reading it again; \
+                     this page's messages may be published again"
                 );
                 log.finished(|c| c.lost(seq));
                 0

@@ -13,9 +13,10 @@
 //!
 //! One relay holds the cursor at a time (its lease, renewed as it works). Pages of one
 //! tick are pipelined like per-row batches: each is read after the one before it, and
-//! finished after the one before it finished, so the cursor only moves forward and only
-//! past pages whose every message was confirmed or handed over. A tick is opened only
-//! once every page of the one before is finished.
+//! finished after the one before it finished, so the relay's finishes only move the cursor
+//! forward, and only past pages whose every message was confirmed or handed over. A tick
+//! is opened only once every page of the one before is finished. Where the database's
+//! cursor is not where the relay left it, the relay reads on from the database's.
 
 mod cursor;
 mod finish;

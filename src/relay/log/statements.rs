@@ -203,11 +203,11 @@ impl LogStatements {
             // transactions running when `hi` was taken (by their ids) and of those begun
             // since (a range of ids), each an index condition of its own whatever the plan.
             // It opens only when the open tick is done, as the relay knows it, and has
-            // rows. The rows of transactions begun since `hi` have larger ids than any row
-            // before (their ids were drawn later): page reads walk the primary key from the
-            // smallest of them (`walk_from`), and find the rest of the tick by transaction
-            // id. Otherwise the cursor as it is comes back, so that the relay can tell a
-            // cursor that moved under it (a write the database lost, an operator) from
+            // rows. Page reads walk the primary key from the smallest id of the rows of
+            // transactions begun since `hi` (`walk_from`); below it the tick holds only
+            // rows of the transactions that were running, which are found by their ids.
+            // When nothing opens, the cursor as it is comes back, so that the relay can tell
+            // a cursor that moved under it (a write the database lost, an operator) from
             // nothing new.
             open_tick: Sql::new(format!(
                 "WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS cur),\n\
