@@ -91,6 +91,31 @@ async fn migrate_moves_the_engine_only_when_asked() {
     );
 }
 
+/// A ledger left behind by a dropped table: `migrate` says what it found and what to do,
+/// and creates nothing.
+#[tokio::test]
+async fn migrate_names_a_ledger_whose_table_is_gone() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(cli(&table, &["migrate"]).status.success());
+    let mut conn = schema.connect().await;
+    conn.batch_execute(&format!("DROP TABLE {table}"))
+        .await
+        .unwrap();
+    let out = cli(&table, &["migrate"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the migration ledger {table}_migrations records schema version 5, but {table} does not exist"
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("run `migrate`"), "{stderr}");
+    let out = cli(&table, &["stats"]);
+    assert_eq!(out.status.code(), Some(4), "still not there");
+}
+
 #[tokio::test]
 async fn migrate_then_stats_shows_zeros() {
     let schema = TestSchema::new().await;

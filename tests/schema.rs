@@ -204,6 +204,53 @@ async fn migrate_upgrades_a_table_left_at_version_one() {
     assert!(!table_exists(&mut conn, outbox.table()).await);
 }
 
+#[tokio::test]
+async fn a_ledger_without_its_table_is_named_and_nothing_changes() {
+    use diesel_async::SimpleAsyncConnection;
+    let schema = TestSchema::new().await;
+    let mut conn = schema.connect().await;
+    let outbox = Outbox::builder()
+        .table(schema.table("orphaned"))
+        .build()
+        .unwrap();
+    outbox.migrate(&mut conn).await.unwrap();
+    let migrations_table = format!("{}_migrations", outbox.table());
+    conn.batch_execute(&format!(
+        "DROP TABLE {t}; DROP TABLE {t}_inbox",
+        t = outbox.table()
+    ))
+    .await
+    .unwrap();
+    let err = outbox.migrate(&mut conn).await.unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, Error::Migration(_)), "{err:?}");
+    assert!(
+        message.contains(&format!(
+            "the migration ledger {migrations_table} records schema version 5, but {t}, {t}_inbox do not exist",
+            t = outbox.table()
+        )),
+        "{message}"
+    );
+    assert!(
+        message.contains(&format!("drop {migrations_table}")),
+        "{message}"
+    );
+    assert!(!message.contains("run `migrate`"), "{message}");
+    // Nothing was created or recorded.
+    assert!(!table_exists(&mut conn, outbox.table()).await);
+    assert!(!table_exists(&mut conn, &format!("{}_inbox", outbox.table())).await);
+    assert_eq!(
+        versions(&mut conn, &migrations_table).await,
+        vec![1, 2, 3, 4, 5]
+    );
+    // As the message says: dropping the ledger starts over.
+    conn.batch_execute(&format!("DROP TABLE {migrations_table}"))
+        .await
+        .unwrap();
+    outbox.migrate(&mut conn).await.unwrap();
+    assert!(table_exists(&mut conn, outbox.table()).await);
+}
+
 /// The table's `fillfactor` storage parameter, as `pg_class.reloptions` holds it.
 async fn fillfactor(conn: &mut AsyncPgConnection, table: &str) -> String {
     #[derive(diesel::QueryableByName)]

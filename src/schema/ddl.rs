@@ -19,6 +19,9 @@ pub(crate) struct Ddl {
     pub(crate) create_migrations: String,
     pub(crate) select_versions: Sql<NoParams>,
     pub(crate) record_version: Sql<RecordVersion>,
+    /// The tables the ledger's versions created that do not exist (`name`, `since`: the
+    /// version that creates it), for a ledger that outlived its table.
+    pub(crate) missing_tables: Sql<NoParams>,
     /// Every schema version in order; version numbers start at 1.
     pub(crate) migrations: Vec<Migration>,
 }
@@ -218,6 +221,21 @@ impl Ddl {
             select_versions: Sql::new(format!(
                 "SELECT version FROM {migrations_table} ORDER BY version"
             )),
+            missing_tables: Sql::new(format!(
+                "SELECT t.name, t.since FROM (VALUES {created}) AS t (name, since, quoted) \
+                 WHERE t.since <= (SELECT max(version) FROM {migrations_table}) \
+                 AND to_regclass(t.quoted) IS NULL ORDER BY t.since, t.name",
+                created = [
+                    (table.display(), 1, table.quoted()),
+                    (format!("{}_inbox", table.display()), 1, inbox.clone()),
+                    (format!("{}_relays", table.display()), 1, relays.clone()),
+                    (format!("{}_cursor", table.display()), 4, cursor.clone()),
+                ]
+                .iter()
+                .map(|(name, since, quoted)| format!("('{name}', {since}, '{quoted}')"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            )),
             record_version: Sql::new(format!(
                 "INSERT INTO {migrations_table} (version) VALUES ({}) ON CONFLICT DO NOTHING",
                 RecordVersion::version
@@ -255,6 +273,7 @@ impl crate::sql::Listed for Ddl {
             create_migrations,
             select_versions,
             record_version,
+            missing_tables,
             migrations,
         } = self;
         let mut listed: Vec<(String, &str)> = vec![
@@ -265,6 +284,7 @@ impl crate::sql::Listed for Ddl {
             ("create_migrations".into(), create_migrations),
             ("select_versions".into(), select_versions.text()),
             ("record_version".into(), record_version.text()),
+            ("missing_tables".into(), missing_tables.text()),
         ];
         for (version, Migration { up, down }) in (1..).zip(migrations) {
             for (i, up) in up.iter().enumerate() {

@@ -2,7 +2,7 @@
 //! `sql()`, `down_sql()` and one diesel CLI migration per version.
 
 use diesel::QueryableByName;
-use diesel::sql_types::{BigInt, Integer};
+use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
 };
@@ -19,6 +19,12 @@ const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78;
 struct VersionRow {
     #[diesel(sql_type = Integer)]
     version: i32,
+}
+
+#[derive(QueryableByName)]
+struct MissingRow {
+    #[diesel(sql_type = Text)]
+    name: String,
 }
 
 impl Outbox {
@@ -39,7 +45,8 @@ impl Outbox {
     ///
     /// # Errors
     /// [`Error::Migration`] when the database holds a newer version than this crate knows,
-    /// or when a move is asked for inside a transaction of yours that is not at READ
+    /// when `<table>_migrations` records versions whose tables do not exist (the error
+    /// names them), or when a move is asked for inside a transaction of yours that is not at READ
     /// COMMITTED; a database error otherwise (and nothing is changed).
     pub async fn migrate(&self, conn: &mut AsyncPgConnection) -> Result<()> {
         let nested = AnsiTransactionManager::transaction_manager_status_mut(conn)
@@ -98,6 +105,36 @@ impl Outbox {
                 )
                 .into(),
             ));
+        }
+        if let Some(at) = applied.iter().max() {
+            // A ledger that outlived its tables: applying nothing and failing later on a
+            // missing relation would say "run `migrate`" to someone who just did.
+            let missing: Vec<String> = sql
+                .missing_tables
+                .bind(NoParams {})
+                .load::<MissingRow>(c)
+                .await?
+                .into_iter()
+                .map(|r| r.name)
+                .collect();
+            if !missing.is_empty() {
+                let ledger = format!("{table}_migrations");
+                return Err(Error::Migration(
+                    format!(
+                        "the migration ledger {ledger} records schema version {at}, but {} \
+                         {} not exist: drop {ledger} to create the outbox afresh, or restore \
+                         the missing {} from a backup (nothing was changed)",
+                        missing.join(", "),
+                        if missing.len() == 1 { "does" } else { "do" },
+                        if missing.len() == 1 {
+                            "table"
+                        } else {
+                            "tables"
+                        },
+                    )
+                    .into(),
+                ));
+            }
         }
         for (version, migration) in (1..).zip(&sql.migrations) {
             if applied.contains(&version) {

@@ -14,6 +14,9 @@ SELECT version FROM "sales"."orders_outbox_migrations" ORDER BY version;
 -- record_version
 INSERT INTO "sales"."orders_outbox_migrations" (version) VALUES ($1) ON CONFLICT DO NOTHING;
 
+-- missing_tables
+SELECT t.name, t.since FROM (VALUES ('sales.orders_outbox', 1, '"sales"."orders_outbox"'), ('sales.orders_outbox_inbox', 1, '"sales"."orders_outbox_inbox"'), ('sales.orders_outbox_relays', 1, '"sales"."orders_outbox_relays"'), ('sales.orders_outbox_cursor', 4, '"sales"."orders_outbox_cursor"')) AS t (name, since, quoted) WHERE t.since <= (SELECT max(version) FROM "sales"."orders_outbox_migrations") AND to_regclass(t.quoted) IS NULL ORDER BY t.since, t.name;
+
 -- migration 1 up 0
 CREATE TABLE IF NOT EXISTS "sales"."orders_outbox" (
     id bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME "sales"."orders_outbox_id_seq"),
