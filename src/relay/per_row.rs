@@ -419,9 +419,9 @@ impl Store for PerRow {
 /// Planner settings for recording outcomes: index scans as for the claim, and no nested
 /// loop. When the statistics say few rows are pending (say, analysed before a burst), the
 /// planner would otherwise rescan the outcome arrays once per row, or read every pending row
-/// into a hash: both cost in proportion to more than the batch.
+/// into a hash: both cost in proportion to more than the batch. No JIT (see `CLAIM_PLAN`).
 const RECORD_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; \
-                           SET LOCAL enable_nestloop = off";
+                           SET LOCAL enable_nestloop = off; SET LOCAL jit = off";
 
 /// Runs one of the relay's statements in a transaction with the given planner settings.
 async fn planned<R>(
