@@ -41,6 +41,9 @@ pub const CONSUMER_CONCURRENCY: usize = 4;
 pub const MAX_DELIVERIES: u32 = 10;
 /// [`ConsumerBuilder::handler_timeout`](crate::consumer::ConsumerBuilder::handler_timeout).
 pub const HANDLER_TIMEOUT: Duration = Duration::from_secs(60);
+/// [`ConsumerBuilder::connect_timeout`](crate::consumer::ConsumerBuilder::connect_timeout),
+/// and the `diesel-outbox relay --connect-timeout`'s default.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// [`ConsumerBuilder::backoff`](crate::consumer::ConsumerBuilder::backoff)'s minimum.
 pub const CONSUMER_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// [`ConsumerBuilder::backoff`](crate::consumer::ConsumerBuilder::backoff)'s maximum.

@@ -101,6 +101,33 @@ impl Error {
         )
     }
 
+    /// True for a failure a database restart or outage explains, which a later try may not
+    /// meet: no connection could be had (refused, no answer, the server starting up or
+    /// shutting down), or the connection was closed under the statement ("terminating
+    /// connection due to administrator command"). False for what no retry mends: a
+    /// malformed URL, a refused login, a database or role that does not exist, a
+    /// certificate that does not verify, and every error of the statement itself.
+    pub fn is_connection(&self) -> bool {
+        use diesel::result::{DatabaseErrorKind, Error as DieselError};
+        match self {
+            Error::Pool(e) => !crate::connect::permanent(&e.to_string()),
+            Error::Database(DieselError::DatabaseError(
+                DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
+                _,
+            )) => true,
+            // 57P01 admin_shutdown, 57P02 crash_shutdown, 57P03 cannot_connect_now; diesel
+            // does not expose the SQLSTATE, so match the text.
+            Error::Database(DieselError::DatabaseError(_, info)) => {
+                let message = info.message();
+                message.starts_with("terminating connection")
+                    || message.starts_with("the database system is")
+                    || message.contains("server closed the connection")
+                    || message.contains("connection closed")
+            }
+            _ => false,
+        }
+    }
+
     pub(crate) fn invalid_message(msg: impl Into<String>) -> Self {
         Error::InvalidMessage(msg.into())
     }

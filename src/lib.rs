@@ -259,6 +259,7 @@ pub use crate::broker::nats;
 pub use crate::broker::rabbitmq;
 pub use crate::connect::{
     PgPool, checkout, connection_manager, establish, establish_without_statement_cache,
+    until_reachable,
 };
 pub use crate::engine::Engine;
 pub use crate::enqueue::EnqueueExt;

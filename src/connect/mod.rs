@@ -3,9 +3,13 @@
 //! it ([`connection_manager`]); and the same without the prepared statement cache, for a
 //! pooler that cannot track prepared statements
 //! ([`establish_without_statement_cache`]). How the parameters are read and what each
-//! mode verifies: `libpq.rs`.
+//! mode verifies: `libpq.rs`; a start-up that waits for the database: `reach.rs`.
 
 mod libpq;
+mod reach;
+
+pub(crate) use self::reach::permanent;
+pub use self::reach::until_reachable;
 
 use std::fmt::Write as _;
 

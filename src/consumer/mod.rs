@@ -397,6 +397,7 @@ pub(crate) struct Options {
     pub(crate) backoff_max: Duration,
     pub(crate) drain_timeout: Duration,
     pub(crate) handler_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
 }
 
 impl Default for Options {
@@ -408,6 +409,7 @@ impl Default for Options {
             backoff_max: crate::defaults::CONSUMER_BACKOFF_MAX,
             drain_timeout: crate::defaults::DRAIN_TIMEOUT,
             handler_timeout: crate::defaults::HANDLER_TIMEOUT,
+            connect_timeout: crate::defaults::CONNECT_TIMEOUT,
         }
     }
 }
@@ -527,6 +529,15 @@ impl<S, H> ConsumerBuilder<S, H> {
         self
     }
 
+    /// How long [`Consumer::run_until`]'s start waits for a database it cannot reach (a
+    /// restart, an outage, a server not up yet), trying again with the attempts logged
+    /// (see [`until_reachable`](crate::until_reachable)), before it fails (at most 1
+    /// hour; zero tries once). Defaults to 30 s.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.options.connect_timeout = timeout;
+        self
+    }
+
     /// Hooks for your metrics system ([`Metrics::consumed`]). Defaults to none.
     pub fn metrics(mut self, metrics: impl Metrics) -> Self {
         self.metrics = Arc::new(metrics);
@@ -573,6 +584,12 @@ impl<S: Source, H: Handler> ConsumerBuilder<S, H> {
                 o.drain_timeout
             ));
         }
+        if o.connect_timeout > Duration::from_secs(3600) {
+            return bad(format!(
+                "connect_timeout {:?} must be at most 1 hour",
+                o.connect_timeout
+            ));
+        }
         let (Some(source), Some(handler)) = (self.source, self.handler) else {
             return bad("a consumer needs a source and a handler".to_owned());
         };
@@ -603,8 +620,12 @@ impl<S: Source, H: Handler> Consumer<S, H> {
     /// Broker and database failures are logged and retried. One consumer runs once at a
     /// time (a second call waits for the first).
     ///
+    /// At start it checks the inbox table, waiting up to the
+    /// [connect timeout](ConsumerBuilder::connect_timeout) for a database it cannot reach.
+    ///
     /// # Errors
-    /// [`Error::NotMigrated`] when the inbox table does not exist.
+    /// [`Error::NotMigrated`] when the inbox table does not exist; [`Error::Pool`] when the
+    /// database could not be reached within the connect timeout, or refused the login.
     pub async fn run_until(&self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let mut source = self.source.lock().await;
         run::run(self.inner.clone(), &mut *source, shutdown).await

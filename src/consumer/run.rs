@@ -212,17 +212,33 @@ fn process_span<H>(inner: &ConsumerShared<H>, delivery: &Delivery) -> tracing::S
 }
 
 /// Fails at start when the inbox table is missing (checked in a transaction that is
-/// rolled back, so nothing is recorded).
+/// rolled back, so nothing is recorded), waiting up to the connect timeout for a database
+/// it cannot reach.
 async fn check_inbox<H>(inner: &ConsumerShared<H>) -> Result<()> {
-    let mut conn = crate::checkout(&inner.pool).await?;
-    AnsiTransactionManager::begin_transaction(&mut *conn)
+    crate::until_reachable(
+        "the consumer's start",
+        inner.options.connect_timeout,
+        || probe_inbox(inner),
+    )
+    .await
+}
+
+/// One try of [`check_inbox`], on a connection of its own: a pool's checkout would retry
+/// until the pool's connection timeout and report no cause.
+async fn probe_inbox<H>(inner: &ConsumerShared<H>) -> Result<()> {
+    let mut conn = inner
+        .pool
+        .dedicated_connection()
+        .await
+        .map_err(|e| Error::Pool(Box::new(e)))?;
+    AnsiTransactionManager::begin_transaction(&mut conn)
         .await
         .map_err(|e| inner.outbox.db_error(e))?;
     let probe = inner
         .outbox
         .dedupe(&mut conn, &inner.name, "diesel-outbox consumer start")
         .await;
-    let rolled_back = AnsiTransactionManager::rollback_transaction(&mut *conn).await;
+    let rolled_back = AnsiTransactionManager::rollback_transaction(&mut conn).await;
     probe?;
     rolled_back.map_err(|e| inner.outbox.db_error(e))?;
     Ok(())

@@ -43,6 +43,7 @@ mod common;
 mod broker;
 mod failover;
 mod harness;
+mod startup;
 mod suite;
 
 use std::time::Duration;
@@ -128,6 +129,18 @@ async fn fault_suite_async_failover_ci_tier() {
         failover::Replication::Asynchronous(Duration::from_secs(3)),
     )
     .await;
+}
+
+/// A relay and a consumer runner whose start meets PostgreSQL restarting (20 ms, 100 ms
+/// and 300 ms in) or down: they wait for their connect timeout and come up; past it they fail with
+/// the cause, the relay with exit code 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn start_up_meets_a_postgres_restart() {
+    if !local_tools("start_up_meets_a_postgres_restart", Kind::RabbitMq) {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    startup::run().await;
 }
 
 /// Whether the servers this test drives are the local ones (not containers, which their

@@ -258,6 +258,12 @@ async fn pause_beyond_lease(relays: &mut Relays, admin: &mut AsyncPgConnection, 
 }
 
 fn restart_postgres() {
+    pg_ctlcluster("restart");
+}
+
+/// Runs `pg_ctlcluster <version> main <action>` on the local cluster (`start`, `stop`,
+/// `restart`), panicking if it fails.
+pub(crate) fn pg_ctlcluster(action: &str) {
     let version = std::fs::read_dir("/etc/postgresql")
         .expect("a local PostgreSQL cluster")
         .flatten()
@@ -267,12 +273,12 @@ fn restart_postgres() {
     let status = Command::new("pg_ctlcluster")
         .args(["--skip-systemctl-redirect"])
         .arg(&version)
-        .args(["main", "restart"])
+        .args(["main", action])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .expect("pg_ctlcluster");
-    assert!(status.success(), "pg_ctlcluster restart failed");
+    assert!(status.success(), "pg_ctlcluster {action} failed");
 }
 
 /// The kinds of poison row [`write_poison`] writes, in turn.

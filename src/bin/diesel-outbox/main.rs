@@ -214,8 +214,12 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
              or DATABASE_URL_FILE",
         )
     })?;
-    // Every command, the relay too, fails at once on a database it cannot reach, with the
-    // cause (the relay's pool would only time out).
+    if let Command::Relay(args) = cli.command {
+        // The relay waits for the database up to its `--connect-timeout` (a restart, or a
+        // server not up yet, at deploy time) and then fails with the cause.
+        return relay::run(&outbox, &url, cli.no_statement_cache, *args).await;
+    }
+    // Every other command fails at once on a database it cannot reach, with the cause.
     let connecting = if cli.no_statement_cache {
         diesel_outbox::establish_without_statement_cache(url.expose()).await
     } else {
@@ -228,10 +232,6 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
         };
         Failure::new(code, format!("cannot connect to the database: {e}"))
     })?;
-    if let Command::Relay(args) = cli.command {
-        drop(conn);
-        return relay::run(&outbox, &url, cli.no_statement_cache, *args).await;
-    }
     match cli.command {
         Command::Migrate(args) => schema::migrate(&outbox, &mut conn, &args, &mut output).await,
         Command::Stats(args) => ops::stats(&outbox, &mut conn, args, &mut output).await,
@@ -323,11 +323,26 @@ mod tests {
         .unwrap();
     }
 
+    /// A one-shot command fails at once on a database it cannot reach; the relay after its
+    /// `--connect-timeout` (here 1 s, four tries), naming the host and the cause.
     #[tokio::test]
-    async fn an_unreachable_database_fails_at_once_and_its_password_never_reaches_stderr() {
-        for command in [
-            &["stats"][..],
-            &["relay", "--exchange", "x", "--amqp-url", "amqp://x"],
+    async fn an_unreachable_database_fails_with_its_cause_and_its_password_never_reaches_stderr() {
+        for (command, cause, within) in [
+            (&["stats"][..], "cannot connect to the database", 5),
+            (
+                &[
+                    "relay",
+                    "--exchange",
+                    "x",
+                    "--amqp-url",
+                    "amqp://x",
+                    "--connect-timeout",
+                    "1s",
+                ],
+                "cannot start the relay (the database at 127.0.0.1:1): the database could \
+                 not be reached in ",
+                6,
+            ),
         ] {
             let argv = [
                 "diesel-outbox",
@@ -347,13 +362,11 @@ mod tests {
             let code = report(run(cli, &mut Vec::new(), false).await, &secrets, &mut err);
             let err = String::from_utf8(err).unwrap();
             assert_eq!(code, CONNECTION, "{command:?}: {err}");
-            assert!(
-                err.contains("cannot connect to the database"),
-                "{command:?}: {err}"
-            );
+            assert!(err.contains(cause), "{command:?}: {err}");
+            assert!(err.contains("127.0.0.1:1: "), "{command:?}: {err}");
             assert!(!err.contains("hunter2"), "{command:?}: {err}");
             assert!(
-                started.elapsed() < std::time::Duration::from_secs(5),
+                started.elapsed() < std::time::Duration::from_secs(within),
                 "{command:?} took {:?}",
                 started.elapsed()
             );

@@ -8,7 +8,7 @@ use diesel_outbox::defaults;
 use diesel_outbox::kafka::KafkaPublisher;
 use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
-use diesel_outbox::{Outbox, PgPool, Publisher, Relay};
+use diesel_outbox::{Error, Outbox, PgPool, Publisher, Relay, until_reachable};
 use futures_util::FutureExt;
 
 use crate::broker::{Broker, BrokerArgs};
@@ -72,6 +72,12 @@ pub(crate) struct RelayArgs {
     /// The most payload and header bytes one claim takes (at least one row).
     #[arg(long, default_value_t = defaults::MAX_BATCH_BYTES)]
     pub(crate) max_batch_bytes: usize,
+    /// How long the start waits for a database it cannot reach (a restart, or a server not
+    /// up yet), trying again with each try logged, before it exits 3 with the cause; `0s`
+    /// tries once. A refused login, a database that does not exist or a table not migrated
+    /// fail at once.
+    #[arg(long, default_value_t = Period(defaults::CONNECT_TIMEOUT), allow_hyphen_values = true)]
+    pub(crate) connect_timeout: Period,
     /// Database connections in the relay's pool (plus one for LISTEN).
     #[arg(long, default_value_t = 4)]
     pool_size: u32,
@@ -187,19 +193,61 @@ enum Running {
 }
 
 /// The relay's pool, checked against the table (failing fast when it is missing rather
-/// than on the first cycle).
+/// than on the first cycle), tried again for `--connect-timeout` while the database cannot
+/// be reached.
 async fn pool(
     outbox: &Outbox,
     database_url: &Secret,
     no_statement_cache: bool,
     args: &RelayArgs,
 ) -> Result<PgPool, Failure> {
-    let mut config = ManagerConfig::default();
-    config.custom_setup = if no_statement_cache {
-        Box::new(diesel_outbox::establish_without_statement_cache)
+    let started = until_reachable("the relay's start", args.connect_timeout.0, || {
+        checked_pool(outbox, database_url, no_statement_cache, args)
+    })
+    .await;
+    started.map_err(|e| match e {
+        Error::InvalidOption(why) => {
+            Failure::new(USAGE, format!("cannot connect to the database: {why}"))
+        }
+        Error::Pool(why) => Failure::new(
+            CONNECTION,
+            format!(
+                "cannot start the relay (the database at {}): {why}",
+                host(database_url)
+            ),
+        ),
+        e if e.is_connection() => Failure::new(
+            CONNECTION,
+            format!(
+                "cannot start the relay (the database at {}): {e}",
+                host(database_url)
+            ),
+        ),
+        e => e.into(),
+    })
+}
+
+/// One try of [`pool`]: a connection of its own first, for a failure's cause (the pool's
+/// would only time out), then the pool and the table's stats through it.
+async fn checked_pool(
+    outbox: &Outbox,
+    database_url: &Secret,
+    no_statement_cache: bool,
+    args: &RelayArgs,
+) -> Result<PgPool, Error> {
+    let establish = if no_statement_cache {
+        diesel_outbox::establish_without_statement_cache
     } else {
-        Box::new(diesel_outbox::establish)
+        diesel_outbox::establish
     };
+    establish(database_url.expose())
+        .await
+        .map_err(|e| match e {
+            diesel::ConnectionError::InvalidConnectionUrl(why) => Error::InvalidOption(why),
+            e => Error::Pool(e.to_string().into()),
+        })?;
+    let mut config = ManagerConfig::default();
+    config.custom_setup = Box::new(establish);
     // A database out of reach shows (in the logs, and in `/readyz`) within seconds.
     let pool = PgPool::builder()
         .max_size(args.pool_size.max(1))
@@ -210,13 +258,28 @@ async fn pool(
             config,
         ))
         .await
-        .map_err(|e| Failure::new(CONNECTION, format!("cannot build the pool: {e}")))?;
-    // Fail fast when the table is missing rather than on the first cycle.
+        .map_err(|e| Error::Pool(format!("cannot build the pool: {e}").into()))?;
     {
         let mut conn = diesel_outbox::checkout(&pool).await?;
         outbox.stats(&mut conn).await?;
     }
     Ok(pool)
+}
+
+/// Where the database URL points (its hosts and ports, or "PostgreSQL" for a URL that
+/// names none): never its user, password or parameters.
+fn host(database_url: &Secret) -> String {
+    let url = database_url.expose();
+    let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = after_scheme.split(['/', '?']).next().unwrap_or_default();
+    let hosts = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, hosts)| hosts);
+    if hosts.is_empty() {
+        "PostgreSQL".to_owned()
+    } else {
+        hosts.to_owned()
+    }
 }
 
 /// The relay with the command's options.
