@@ -443,10 +443,10 @@ impl crate::sql::Listed for EnqueueStatements {
             enqueue_one_notify,
         } = self;
         vec![
-            ("enqueue".into(), enqueue.text()),
-            ("enqueue_notify".into(), enqueue_notify.text()),
-            ("enqueue_one".into(), enqueue_one.text()),
-            ("enqueue_one_notify".into(), enqueue_one_notify.text()),
+            enqueue.named("enqueue"),
+            enqueue_notify.named("enqueue_notify"),
+            enqueue_one.named("enqueue_one"),
+            enqueue_one_notify.named("enqueue_one_notify"),
         ]
     }
 }

@@ -126,6 +126,6 @@ impl DedupeExt for AsyncPgConnection {
 impl crate::sql::Listed for InboxStatements {
     fn listed(&self) -> Vec<(String, &str)> {
         let InboxStatements { dedupe } = self;
-        vec![("dedupe".into(), dedupe.text())]
+        vec![dedupe.named("dedupe")]
     }
 }

@@ -338,8 +338,8 @@ impl crate::sql::Listed for ListenerStatements {
             unwatch,
         } = self;
         vec![
-            ("watch".into(), watch.text()),
-            ("unwatch".into(), unwatch.text()),
+            watch.named("watch"),
+            unwatch.named("unwatch"),
             ("listen".into(), listen.as_str()),
         ]
     }

@@ -448,9 +448,9 @@ impl crate::sql::Listed for PerRowStatements {
             record_outcomes,
         } = self;
         vec![
-            ("claim".into(), claim.text()),
-            ("due".into(), due.text()),
-            ("record_outcomes".into(), record_outcomes.text()),
+            claim.named_under("claim", CLAIM_PLAN),
+            due.named("due"),
+            record_outcomes.named_under("record_outcomes", RECORD_PLAN),
         ]
     }
 }

@@ -186,8 +186,8 @@ impl crate::sql::Listed for PresenceStatements {
             relay_gone,
         } = self;
         vec![
-            ("relay_state".into(), relay_state.text()),
-            ("relay_gone".into(), relay_gone.text()),
+            relay_state.named("relay_state"),
+            relay_gone.named("relay_gone"),
         ]
     }
 }

@@ -282,9 +282,9 @@ impl crate::sql::Listed for Ddl {
                 create_schema.as_deref().unwrap_or_default(),
             ),
             ("create_migrations".into(), create_migrations),
-            ("select_versions".into(), select_versions.text()),
-            ("record_version".into(), record_version.text()),
-            ("missing_tables".into(), missing_tables.text()),
+            select_versions.named("select_versions"),
+            record_version.named("record_version"),
+            missing_tables.named("missing_tables"),
         ];
         for (version, Migration { up, down }) in (1..).zip(migrations) {
             for (i, up) in up.iter().enumerate() {

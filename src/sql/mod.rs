@@ -39,6 +39,9 @@ pub use self::table::WAKE_LOCK_CLASS;
 pub(crate) trait Params: Bind {
     /// How many parameters there are.
     const COUNT: usize;
+    /// Their SQL types as written in [`statement!`], in the order of their numbers.
+    #[cfg(test)]
+    fn types() -> Vec<&'static str>;
 }
 
 /// Binding of parameters by number; what is left of [`Params`] once a statement is bound.
@@ -105,6 +108,10 @@ macro_rules! statement {
         impl $name {
             /// The parameters' names, in the order of their numbers.
             const NAMES: &'static [&'static str] = &[$(stringify!($field)),*];
+            /// The parameters' SQL types as written (`BigInt`, `Array<Text>`), in the
+            /// order of their numbers, for the snapshot.
+            #[cfg(test)]
+            const TYPES: &'static [&'static str] = &[$(stringify!($sql_type)),*];
             $(
                 pub(crate) const $field: $crate::sql::Placeholder =
                     $crate::sql::Placeholder::of(Self::NAMES, stringify!($field));
@@ -113,6 +120,10 @@ macro_rules! statement {
 
         impl $crate::sql::Params for $name {
             const COUNT: usize = Self::NAMES.len();
+            #[cfg(test)]
+            fn types() -> Vec<&'static str> {
+                Self::TYPES.to_vec()
+            }
         }
 
         impl $crate::sql::Bind for $name {
@@ -210,6 +221,27 @@ impl<P: Params> Sql<P> {
         &self.text
     }
 
+    /// The statement as the snapshot lists it under `name`: with a comment line naming its
+    /// parameters' PostgreSQL types (what the crate binds them as), when it has any.
+    #[cfg(test)]
+    pub(crate) fn named(&self, name: &str) -> (String, &str) {
+        let mut name = name.to_owned();
+        if P::COUNT > 0 {
+            let types: Vec<String> = P::types().iter().map(|t| pg_type(t)).collect();
+            name = format!("{name}\n-- params: {}", types.join(", "));
+        }
+        (name, &self.text)
+    }
+
+    /// [`Sql::named`] for a statement that runs after the planner settings `plan` in its
+    /// transaction: a comment line `-- under: <plan>` too, which `tests/plans.rs` applies
+    /// before it plans the statement.
+    #[cfg(test)]
+    pub(crate) fn named_under(&self, name: &str, plan: &str) -> (String, &str) {
+        let (name, text) = self.named(name);
+        (format!("{name}\n-- under: {plan}"), text)
+    }
+
     /// The statement with its parameters: a query for either flavour of `RunQueryDsl`.
     pub(crate) fn bind<'a>(&'a self, params: P) -> Bound<'a>
     where
@@ -267,6 +299,12 @@ impl<P: Params> Notifying<P> {
 
 impl<P: Params> Params for Notifying<P> {
     const COUNT: usize = P::COUNT + 1;
+    #[cfg(test)]
+    fn types() -> Vec<&'static str> {
+        let mut types = P::types();
+        types.push("Text");
+        types
+    }
 }
 
 impl<P: Params> Bind for Notifying<P> {
@@ -282,6 +320,35 @@ impl<P: Params> Bind for Notifying<P> {
 statement! {
     /// A statement without parameters.
     pub(crate) struct NoParams {}
+}
+
+/// The PostgreSQL type of a diesel SQL type as [`statement!`] names it (`Array<Text>`:
+/// `text[]`; `Nullable` binds as the type it wraps).
+#[cfg(test)]
+fn pg_type(diesel: &str) -> String {
+    let diesel = diesel.replace(' ', "");
+    if let Some(inner) = diesel
+        .strip_prefix("Array<")
+        .and_then(|t| t.strip_suffix('>'))
+    {
+        return format!("{}[]", pg_type(inner));
+    }
+    if let Some(inner) = diesel
+        .strip_prefix("Nullable<")
+        .and_then(|t| t.strip_suffix('>'))
+    {
+        return pg_type(inner);
+    }
+    match diesel.as_str() {
+        "BigInt" => "bigint",
+        "Integer" => "integer",
+        "Text" => "text",
+        "Bool" => "boolean",
+        "Bytea" => "bytea",
+        "Jsonb" => "jsonb",
+        other => panic!("no PostgreSQL type known for {other}: add it to pg_type"),
+    }
+    .to_owned()
 }
 
 /// A duration as the microseconds bound for it (saturating).

@@ -12,6 +12,7 @@ CREATE TABLE IF NOT EXISTS "sales"."orders_outbox_migrations" (
 SELECT version FROM "sales"."orders_outbox_migrations" ORDER BY version;
 
 -- record_version
+-- params: integer
 INSERT INTO "sales"."orders_outbox_migrations" (version) VALUES ($1) ON CONFLICT DO NOTHING;
 
 -- missing_tables
@@ -196,6 +197,7 @@ SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = '"sales"."orders_out
 ALTER TABLE "sales"."orders_outbox" VALIDATE CONSTRAINT "orders_outbox_status_check";
 
 -- enqueue
+-- params: text[], text[], text[], bytea[], text[], jsonb[], bigint[]
 WITH m AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)
 ), dup AS (
@@ -210,6 +212,7 @@ WITH m AS (
 SELECT k AS key, true AS inserted FROM ins UNION ALL SELECT k AS key, false AS inserted FROM dup;
 
 -- enqueue_notify
+-- params: text[], text[], text[], bytea[], text[], jsonb[], bigint[], text
 WITH m AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::bigint[]) AS m(k, topic, agg, payload, ct, headers, delay_us)
 ), dup AS (
@@ -227,6 +230,7 @@ WITH m AS (
 SELECT r.key, r.inserted FROM (SELECT k AS key, true AS inserted FROM ins UNION ALL SELECT k AS key, false AS inserted FROM dup) AS r CROSS JOIN (SELECT count(*) FROM wake) AS w;
 
 -- enqueue_one
+-- params: text, text, text, bytea, text, jsonb, bigint
 WITH ins AS (
     INSERT INTO "sales"."orders_outbox" (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)
     VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 microsecond')
@@ -236,6 +240,7 @@ WITH ins AS (
 SELECT k AS key, true AS inserted FROM ins;
 
 -- enqueue_one_notify
+-- params: text, text, text, bytea, text, jsonb, bigint, text
 WITH ins AS (
     INSERT INTO "sales"."orders_outbox" (idempotency_key, topic, aggregate_key, payload, content_type, headers, available_at)
     VALUES ($1, $2, $3, $4, $5, $6, now() + $7 * interval '1 microsecond')
@@ -248,9 +253,12 @@ WITH ins AS (
 SELECT k AS key, true AS inserted FROM ins CROSS JOIN (SELECT count(*) FROM wake) AS w;
 
 -- dedupe
+-- params: text, text
 INSERT INTO "sales"."orders_outbox_inbox" (consumer, idempotency_key) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING true AS inserted;
 
 -- stats
+-- params: text, text
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 WITH c AS MATERIALIZED (SELECT lo, hi, after, ceiling, walk_from FROM "sales"."orders_outbox_cursor" WHERE part = 0),
 backlog AS MATERIALIZED (
     SELECT o.created_at FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip(hi) FROM c))
@@ -273,12 +281,18 @@ SELECT
     (SELECT (extract(epoch FROM now() - min(blocked_since)) * 1000000)::bigint FROM "sales"."orders_outbox_relays" WHERE expires_at > now()) AS blocked_us;
 
 -- redrive
+-- params: text[]
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 UPDATE "sales"."orders_outbox" SET status = 'pending', attempts = 0, available_at = now(), lease_until = NULL, dead_at = NULL WHERE status = 'dead' AND (cardinality($1::text[]) = 0 OR idempotency_key = ANY($1)) RETURNING idempotency_key AS key;
 
 -- dead_letters
+-- params: bigint
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, created_at, dead_at FROM "sales"."orders_outbox" WHERE status = 'dead' ORDER BY id LIMIT $1;
 
 -- purge_sent
+-- params: bigint, bigint
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 WITH sent AS MATERIALIZED (
     SELECT id FROM "sales"."orders_outbox" WHERE status = 'sent' AND sent_at < now() - $1 * interval '1 microsecond'
     ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED
@@ -290,6 +304,8 @@ WITH sent AS MATERIALIZED (
 DELETE FROM "sales"."orders_outbox" WHERE id IN (SELECT id FROM sent UNION ALL SELECT id FROM logged);
 
 -- purge_inbox
+-- params: bigint, bigint
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 WITH doomed AS MATERIALIZED (
     SELECT consumer, idempotency_key FROM "sales"."orders_outbox_inbox" WHERE processed_at < now() - $1 * interval '1 microsecond'
     ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED
@@ -297,6 +313,8 @@ WITH doomed AS MATERIALIZED (
 DELETE FROM "sales"."orders_outbox_inbox" WHERE (consumer, idempotency_key) IN (SELECT consumer, idempotency_key FROM doomed);
 
 -- claim
+-- params: bigint, bigint, integer, bigint, bigint, bigint[]
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 WITH heads AS MATERIALIZED (
     SELECT id, aggregate_key, attempts, octet_length(payload) + octet_length(headers::text) AS bytes FROM "sales"."orders_outbox" o
     WHERE status = 'pending' AND available_at <= now()
@@ -360,6 +378,8 @@ RETURNING t.id, t.idempotency_key AS key, t.topic, t.aggregate_key, t.payload, t
 SELECT (SELECT o.id FROM "sales"."orders_outbox" o WHERE o.status = 'pending' AND o.available_at <= now() AND (o.lease_until IS NULL OR o.lease_until <= now()) AND (o.aggregate_key IS NULL OR NOT EXISTS (SELECT 1 FROM "sales"."orders_outbox" p WHERE p.status = 'pending' AND p.aggregate_key = o.aggregate_key AND p.id < o.id)) ORDER BY o.id LIMIT 1) IS NOT NULL AS due;
 
 -- record_outcomes
+-- params: bigint[], bigint[], text[], bigint[], text[], integer[]
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_nestloop = off; SET LOCAL jit = off
 UPDATE "sales"."orders_outbox" t SET
     status = CASE o.kind WHEN 'sent' THEN 'sent' WHEN 'dead' THEN 'dead' ELSE 'pending' END,
     sent_at = CASE WHEN o.kind = 'sent' THEN now() ELSE t.sent_at END,
@@ -373,6 +393,7 @@ WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.fencing_token = o.token AND
 RETURNING t.id;
 
 -- log take
+-- params: text, bigint
 UPDATE "sales"."orders_outbox_cursor" SET
     token = CASE WHEN owner = $1 THEN token ELSE least(token, 9223372036854775806) + 1 END,
     page_attempts = CASE WHEN owner IS NOT NULL AND owner <> $1 AND after < ceiling THEN least(page_attempts, 2147483646) + 1 ELSE page_attempts END,
@@ -381,6 +402,8 @@ WHERE part = 0 AND (owner = $1 OR owner IS NULL OR lease_until <= now()) AND set
 RETURNING lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_attempts, token;
 
 -- log open_tick
+-- params: bigint, bigint, text, bigint, bigint
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
 WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS cur),
 n AS MATERIALIZED (
     SELECT min(o.id) AS floor, max(o.id) AS ceiling, min(o.id) FILTER (WHERE o.xid >= pg_snapshot_xmax($3::pg_snapshot)) AS fresh
@@ -401,6 +424,8 @@ UNION ALL
 SELECT lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_attempts, token, false FROM "sales"."orders_outbox_cursor" WHERE part = 0 AND NOT EXISTS (SELECT 1 FROM opened);
 
 -- log read_page
+-- params: bigint, bigint, text, text, bigint, bigint
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
 SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
@@ -411,6 +436,8 @@ SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.co
 ) AS q WHERE n < $5 AND (n = 1 OR total <= $6) ORDER BY id;
 
 -- log read_late_page
+-- params: bigint, bigint, bigint, text, text, bigint, bigint
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
 SELECT * FROM (
@@ -427,9 +454,11 @@ SELECT * FROM (
 ) AS q WHERE n < $6 AND (n = 1 OR total <= $7) ORDER BY id;
 
 -- log pending_aggregates
+-- params: text[], bigint[]
 SELECT DISTINCT aggregate_key AS key FROM "sales"."orders_outbox" WHERE status = 'pending' AND aggregate_key = ANY($1::text[]) AND id <> ALL($2::bigint[]);
 
 -- log advance
+-- params: bigint, bigint, bigint, bigint, integer, bigint
 WITH moved AS (
     UPDATE "sales"."orders_outbox_cursor" SET after = $4, page_attempts = $5, lease_until = now() + $6 * interval '1 microsecond'
     WHERE part = 0 AND token = $1 AND tick = $2 AND after = $3 AND set_config('synchronous_commit', 'on', true) IS NOT NULL
@@ -438,6 +467,7 @@ WITH moved AS (
 SELECT EXISTS (SELECT 1 FROM moved) AS moved, (SELECT c.token FROM "sales"."orders_outbox_cursor" c WHERE c.part = 0) AS token;
 
 -- log hand_over
+-- params: bigint[], text[], bigint[], text[], integer[]
 UPDATE "sales"."orders_outbox" t SET
     status = CASE o.kind WHEN 'dead' THEN 'dead' ELSE 'pending' END,
     dead_at = CASE WHEN o.kind = 'dead' THEN now() END,
@@ -448,9 +478,11 @@ FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::integer[]) A
 WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.status = 'logged';
 
 -- log give_back
+-- params: text, bigint
 UPDATE "sales"."orders_outbox_cursor" SET owner = NULL, lease_until = now() WHERE part = 0 AND owner = $1 AND token = $2 AND set_config('synchronous_commit', 'on', true) IS NOT NULL;
 
 -- log committed
+-- params: text
 SELECT (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= pg_snapshot_xmax($1::pg_snapshot) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL OR (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($1::pg_snapshot))) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL AS found;
 
 -- watch
@@ -468,10 +500,12 @@ SELECT pg_advisory_unlock(1869968503, '"sales"."orders_outbox"'::regclass::oid::
 LISTEN "sales.orders_outbox_wake";
 
 -- relay_state
+-- params: text, boolean, bigint, bigint
 WITH gone AS (
     DELETE FROM "sales"."orders_outbox_relays" WHERE expires_at < now() - interval '1 minute' AND relay_id <> $1
 )
 INSERT INTO "sales"."orders_outbox_relays" (relay_id, idle, expires_at, blocked_since) VALUES ($1, $2, now() + $3 * interval '1 microsecond', now() - $4 * interval '1 microsecond') ON CONFLICT (relay_id) DO UPDATE SET idle = excluded.idle, expires_at = excluded.expires_at, blocked_since = excluded.blocked_since;
 
 -- relay_gone
+-- params: text
 DELETE FROM "sales"."orders_outbox_relays" WHERE relay_id = $1 OR expires_at < now();

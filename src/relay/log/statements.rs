@@ -365,15 +365,15 @@ impl crate::sql::Listed for LogStatements {
             committed,
         } = self;
         vec![
-            ("log take".into(), take.text()),
-            ("log open_tick".into(), open_tick.text()),
-            ("log read_page".into(), read_page.text()),
-            ("log read_late_page".into(), read_late_page.text()),
-            ("log pending_aggregates".into(), pending_aggregates.text()),
-            ("log advance".into(), advance.text()),
-            ("log hand_over".into(), hand_over.text()),
-            ("log give_back".into(), give_back.text()),
-            ("log committed".into(), committed.text()),
+            take.named("log take"),
+            open_tick.named_under("log open_tick", LOG_PLAN),
+            read_page.named_under("log read_page", LOG_PLAN),
+            read_late_page.named_under("log read_late_page", LOG_PLAN),
+            pending_aggregates.named("log pending_aggregates"),
+            advance.named("log advance"),
+            hand_over.named("log hand_over"),
+            give_back.named("log give_back"),
+            committed.named("log committed"),
         ]
     }
 }
