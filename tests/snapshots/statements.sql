@@ -455,6 +455,7 @@ SELECT * FROM (
 
 -- log pending_aggregates
 -- params: text[], bigint[]
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
 SELECT DISTINCT aggregate_key AS key FROM "sales"."orders_outbox" WHERE status = 'pending' AND aggregate_key = ANY($1::text[]) AND id <> ALL($2::bigint[]);
 
 -- log advance
@@ -468,6 +469,7 @@ SELECT EXISTS (SELECT 1 FROM moved) AS moved, (SELECT c.token FROM "sales"."orde
 
 -- log hand_over
 -- params: bigint[], text[], bigint[], text[], integer[]
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
 UPDATE "sales"."orders_outbox" t SET
     status = CASE o.kind WHEN 'dead' THEN 'dead' ELSE 'pending' END,
     dead_at = CASE WHEN o.kind = 'dead' THEN now() END,

@@ -369,9 +369,9 @@ impl crate::sql::Listed for LogStatements {
             open_tick.named_under("log open_tick", LOG_PLAN),
             read_page.named_under("log read_page", LOG_PLAN),
             read_late_page.named_under("log read_late_page", LOG_PLAN),
-            pending_aggregates.named("log pending_aggregates"),
+            pending_aggregates.named_under("log pending_aggregates", LOG_PLAN),
             advance.named("log advance"),
-            hand_over.named("log hand_over"),
+            hand_over.named_under("log hand_over", LOG_PLAN),
             give_back.named("log give_back"),
             committed.named("log committed"),
         ]
@@ -602,11 +602,15 @@ impl LogTable for PgLog {
     ) -> BoxFuture<'a, Result<HashSet<String>>> {
         Box::pin(async move {
             let mut conn = crate::checkout(&self.pool).await?;
-            let keys: Vec<KeyRow> = self
+            let query = self
                 .sql()
                 .pending_aggregates
-                .bind(PendingAggregates { keys, besides })
-                .load(&mut conn)
+                .bind(PendingAggregates { keys, besides });
+            let keys: Vec<KeyRow> = conn
+                .transaction(async move |c| {
+                    c.batch_execute(LOG_PLAN).await?;
+                    query.load(c).await
+                })
                 .await
                 .map_err(|e| self.outbox.db_error(e))?;
             Ok(keys.into_iter().map(|k| k.key).collect())
@@ -652,6 +656,10 @@ impl LogTable for PgLog {
             let done = conn
                 .transaction(async |c| {
                     if let Some(hand) = hand {
+                        // Index scans for the hand-over's rows (whatever plan the
+                        // connection cached while the table was small); the cursor's
+                        // update after it has its primary key either way.
+                        c.batch_execute(LOG_PLAN).await?;
                         hand.execute(c).await?;
                     }
                     let row: AdvanceRow = advance.get_result(c).await?;
