@@ -447,7 +447,7 @@ pub(crate) async fn raw_publish(
 
 /// The 1 KiB messages `m<i>` for each `i` of `range`, with aggregate keys as `keys` says,
 /// 1,000 to a chunk.
-fn messages(range: std::ops::Range<usize>, keys: Keys) -> Vec<Vec<Message>> {
+pub(crate) fn messages(range: std::ops::Range<usize>, keys: Keys) -> Vec<Vec<Message>> {
     let payload = vec![b'x'; KIB];
     range
         .collect::<Vec<_>>()

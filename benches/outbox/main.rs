@@ -33,6 +33,7 @@ mod latency;
 mod many_aggregates;
 mod measure;
 mod one_aggregate;
+mod steady;
 mod throughput;
 mod writers;
 
@@ -104,6 +105,9 @@ enum Scenario {
     /// (l) the relay to Kafka against raw rdkafka.
     #[value(alias = "l")]
     Kafka,
+    /// (n) steady streams of 200, 1,000 and 5,000 msg/s against a backlog's drain.
+    #[value(alias = "n")]
+    Steady,
 }
 
 /// One measured figure beside its same-run baseline.
@@ -241,6 +245,9 @@ async fn main() -> BoxResult<()> {
             }
             if run(Scenario::Kafka) {
                 found.extend(kafka::kafka(&mut env).await?);
+            }
+            if run(Scenario::Steady) {
+                found.extend(steady::steady(&mut env).await?);
             }
             figures.extend(found.into_iter().map(|f| (*engine, f)));
         }

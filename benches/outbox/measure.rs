@@ -8,17 +8,7 @@ use crate::round;
 /// (but for the backend `leave_out`) and this process (and one more process, if given), in
 /// the order of [`BROKER`], [`POSTGRES`], [`CLIENT`], [`EXTRA`].
 fn cpu_seconds(extra: Option<u32>, leave_out: u32) -> [f64; 4] {
-    let ticks = |pid: &str| -> f64 {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|s| {
-                let after = s.rsplit_once(')')?.1;
-                let f: Vec<&str> = after.split_whitespace().collect();
-                Some(f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?)
-            })
-            .unwrap_or(0.0)
-            / 100.0
-    };
+    let ticks = |pid: &str| process_seconds(pid);
     let mut by_name = [0.0; 2];
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for entry in dir.flatten() {
@@ -42,6 +32,20 @@ fn cpu_seconds(extra: Option<u32>, leave_out: u32) -> [f64; 4] {
         ticks("self"),
         extra.map_or(0.0, |p| ticks(&p.to_string())),
     ]
+}
+
+/// CPU seconds (user and system) process `pid` (or `self`) has used so far; 0 for one that
+/// is gone.
+pub(crate) fn process_seconds(pid: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let after = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = after.split_whitespace().collect();
+            Some(f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?)
+        })
+        .unwrap_or(0.0)
+        / 100.0
 }
 
 /// Indexes into [`CpuUse`]: the brokers, PostgreSQL, the benchmark process (with any relay
