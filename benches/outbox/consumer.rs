@@ -14,7 +14,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use serde_json::json;
 
-use crate::fixture::{Env, raw_publish};
+use crate::fixture::{Env, message_key, raw_publish};
 use crate::{BoxResult, Figure, KIB};
 
 pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
@@ -123,12 +123,7 @@ async fn by_hand(
         let delivery = tokio::time::timeout(Duration::from_secs(60), deliveries.next())
             .await?
             .ok_or("the subscription ended")??;
-        let key = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|k| k.to_string())
-            .unwrap_or_default();
+        let key = message_key(&delivery);
         let insert = insert.as_str();
         conn.transaction(async |c| {
             if outbox.dedupe(c, "by-hand", &key).await? {

@@ -1,5 +1,7 @@
 //! The benchmark's environment: its schema, pool, broker connection, and relays.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use diesel::QueryableByName;
@@ -7,9 +9,10 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::ATTEMPT_HEADER;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Message, Outbox, PgPool, Publisher};
+use futures_util::StreamExt;
 use lapin::options::{
-    BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions, QueuePurgeOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
@@ -106,6 +109,39 @@ impl Env {
             )
             .await?;
         Ok((exchange, queue))
+    }
+
+    /// Consumes `queue` in the background (acking each delivery when `ack`, else with
+    /// `no_ack`), noting when each message, by its key, first arrived.
+    pub(crate) async fn arrivals(&self, queue: &str, tag: &str, ack: bool) -> BoxResult<Arrivals> {
+        let channel = self.amqp.create_channel().await?;
+        let mut consumer = channel
+            .basic_consume(
+                queue.into(),
+                tag.into(),
+                BasicConsumeOptions {
+                    no_ack: !ack,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let task = {
+            let at = at.clone();
+            tokio::spawn(async move {
+                let _channel = channel;
+                while let Some(Ok(delivery)) = consumer.next().await {
+                    let now = Instant::now();
+                    let key = message_key(&delivery);
+                    if ack {
+                        let _ = delivery.ack(BasicAckOptions::default()).await;
+                    }
+                    at.lock().unwrap().entry(key).or_insert(now);
+                }
+            })
+        };
+        Ok(Arrivals { at, task })
     }
 
     pub(crate) async fn purge(&self, queue: &str) -> BoxResult<()> {
@@ -465,4 +501,33 @@ pub(crate) fn messages(range: std::ops::Range<usize>, keys: Keys) -> Vec<Vec<Mes
                 .collect()
         })
         .collect()
+}
+
+/// The key of a delivery (the relay sends it as the message id), or nothing.
+pub(crate) fn message_key(delivery: &lapin::message::Delivery) -> String {
+    delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|k| k.to_string())
+        .unwrap_or_default()
+}
+
+/// When each message of a queue first arrived, by key ([`Env::arrivals`]).
+pub(crate) struct Arrivals {
+    at: Arc<Mutex<HashMap<String, Instant>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Arrivals {
+    /// How many messages have arrived.
+    pub(crate) fn count(&self) -> usize {
+        self.at.lock().unwrap().len()
+    }
+
+    /// Stops consuming; when each message arrived.
+    pub(crate) fn stop(self) -> HashMap<String, Instant> {
+        self.task.abort();
+        self.at.lock().unwrap().clone()
+    }
 }

@@ -5,9 +5,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use diesel_outbox::Message;
-use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions};
-use lapin::types::FieldTable;
 use serde_json::json;
 
 use crate::common::Alone;
@@ -34,32 +31,7 @@ pub(crate) async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
         // has noted its commit (the commit's reply and the delivery race), so latencies are
         // matched up afterwards, and one that arrived first counts as zero.
         let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-        let received: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-        let consumer_channel = env.amqp.create_channel().await?;
-        let mut consumer = consumer_channel
-            .basic_consume(
-                queue.as_str().into(),
-                "latency".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let consume = {
-            let received = received.clone();
-            tokio::spawn(async move {
-                while let Some(Ok(delivery)) = consumer.next().await {
-                    let at = Instant::now();
-                    let key = delivery
-                        .properties
-                        .message_id()
-                        .as_ref()
-                        .map(|k| k.to_string())
-                        .unwrap_or_default();
-                    let _ = delivery.ack(BasicAckOptions::default()).await;
-                    received.lock().unwrap().entry(key).or_insert(at);
-                }
-            })
-        };
+        let arrivals = env.arrivals(&queue, "latency", true).await?;
         let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut writer = diesel_outbox::establish(&env.database_url).await?;
@@ -75,13 +47,12 @@ pub(crate) async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
             committed.lock().unwrap().insert(key, Instant::now());
         }
         let deadline = Instant::now() + Duration::from_secs(60);
-        while received.lock().unwrap().len() < n && Instant::now() < deadline {
+        while arrivals.count() < n && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        consume.abort();
+        let received = arrivals.stop();
         relay.stop().await?;
         env.drop_queue(&queue).await?;
-        let received = received.lock().unwrap().clone();
         let committed = committed.lock().unwrap().clone();
         let mut lat: Vec<f64> = committed
             .iter()

@@ -5,16 +5,12 @@
 //! committed backlog by the same relay measured the same way in this run.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use diesel_outbox::{Message, Outbox};
-use futures_util::StreamExt;
-use lapin::options::BasicConsumeOptions;
-use lapin::types::FieldTable;
 use serde_json::json;
 
 use crate::fixture::{Env, Keys, messages, stop_process};
@@ -255,34 +251,7 @@ async fn stream(
     let name = format!("steady_{}", rate as u32);
     let (outbox, child, app) = start_relay(env, &name, exchange).await?;
     let measured = async {
-        let received: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-        let consumer_channel = env.amqp.create_channel().await?;
-        let mut consumer = consumer_channel
-            .basic_consume(
-                queue.into(),
-                "steady".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        let consume = {
-            let received = received.clone();
-            tokio::spawn(async move {
-                while let Some(Ok(delivery)) = consumer.next().await {
-                    let at = Instant::now();
-                    let key = delivery
-                        .properties
-                        .message_id()
-                        .as_ref()
-                        .map(|k| k.to_string())
-                        .unwrap_or_default();
-                    received.lock().unwrap().entry(key).or_insert(at);
-                }
-            })
-        };
+        let arrivals = env.arrivals(queue, "steady", false).await?;
         let total = (rate * secs) as usize;
         let mut writers = Vec::new();
         for _ in 0..WRITERS {
@@ -317,12 +286,11 @@ async fn stream(
         }
         let written = started.elapsed().as_secs_f64();
         let deadline = Instant::now() + Duration::from_secs(60);
-        while received.lock().unwrap().len() < total && Instant::now() < deadline {
+        while arrivals.count() < total && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let cost = window.used(&mut env.conn, total).await?;
-        consume.abort();
-        let received = received.lock().unwrap().clone();
+        let received = arrivals.stop();
         let mut lat: Vec<f64> = committed
             .iter()
             .filter_map(|(key, t0)| {
