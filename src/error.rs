@@ -101,8 +101,8 @@ impl Error {
         )
     }
 
-    /// True for a failure a database restart or outage explains, which a later try may not
-    /// meet: no connection could be had (refused, no answer, the server starting up or
+    /// True for a failure a database restart or outage explains, one a later try may find
+    /// gone: no connection could be had (refused, no answer, the server starting up or
     /// shutting down), or the connection was closed under the statement ("terminating
     /// connection due to administrator command"). False for what no retry mends: a
     /// malformed URL, a refused login, a database or role that does not exist, a

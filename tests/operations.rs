@@ -373,3 +373,49 @@ async fn on_the_log_engine_stats_and_purge_go_by_the_cursor() {
     let stats = f.outbox.stats(&mut f.conn).await.unwrap();
     assert_eq!((stats.pending, stats.sent), (5, 27), "{stats:?}");
 }
+
+/// The planner settings the dead letters and a redrive run under end with them: inside
+/// the caller's transaction too, which goes on with the caller's own settings.
+#[tokio::test]
+async fn dead_letters_and_redrive_leave_the_callers_settings_as_they_were() {
+    use diesel_async::AsyncConnection;
+    #[derive(QueryableByName)]
+    struct Settings {
+        #[diesel(sql_type = Text)]
+        seqscan: String,
+        #[diesel(sql_type = Text)]
+        jit: String,
+    }
+    let (_schema, mut conn, outbox) = setup("settings").await;
+    enqueue_keys(&mut conn, &outbox, &["k1"]).await;
+    set(
+        &mut conn,
+        &outbox,
+        "status = 'dead', dead_at = now()",
+        &["k1"],
+    )
+    .await;
+    let read = "SELECT current_setting('enable_seqscan') AS seqscan, current_setting('jit') AS jit";
+    let (inside, redriven) = conn
+        .transaction(async |c| {
+            // The caller's own choice for its transaction.
+            c.batch_execute("SET LOCAL jit = off").await?;
+            assert_eq!(outbox.dead_letters(c, 10).await?.len(), 1);
+            let redriven = outbox.redrive(c, &[]).await?;
+            let inside: Settings = diesel::sql_query(read).get_result(c).await?;
+            Ok::<_, Error>((inside, redriven))
+        })
+        .await
+        .unwrap();
+    assert_eq!(redriven, ["k1"]);
+    assert_eq!(
+        (inside.seqscan.as_str(), inside.jit.as_str()),
+        ("on", "off")
+    );
+    let after: Settings = diesel::sql_query(read).get_result(&mut conn).await.unwrap();
+    assert_eq!((after.seqscan.as_str(), after.jit.as_str()), ("on", "on"));
+    // On a connection of their own, the settings end with their transaction.
+    outbox.dead_letters(&mut conn, 10).await.unwrap();
+    let after: Settings = diesel::sql_query(read).get_result(&mut conn).await.unwrap();
+    assert_eq!(after.seqscan, "on");
+}
