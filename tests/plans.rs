@@ -5,7 +5,9 @@
 //! transaction that is rolled back, on an empty table whose statistics say so and again
 //! once the table holds 100,000 rows the statistics know nothing of (a plan cached while
 //! the table was small). It fails on a plan the JIT would compile, a sequential scan of
-//! the outbox or the inbox, or more rows read than the statement returns can explain.
+//! the outbox or the inbox, or more rows read than the statement returns can explain; the
+//! statements still known to scan with a plan cached while the table was empty are listed
+//! in `CACHED_SCANS`.
 
 mod common;
 
@@ -38,7 +40,7 @@ const STATS_COUNTS: f64 = 200_000.0;
 /// crate could give planner settings to (the enqueue runs in the caller's). A relay's
 /// connection that cached them on a new table keeps those plans until the table is
 /// analysed (autovacuum does so once 50 rows and a tenth of the table have changed). The
-/// test fails when one of them keeps a fit plan too, so that it leaves this list.
+/// test fails when one of them no longer scans, so that it leaves this list.
 const CACHED_SCANS: [&str; 4] = ["enqueue", "enqueue_notify", "due", "log committed"];
 
 /// One statement of the snapshot.
