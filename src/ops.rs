@@ -12,7 +12,8 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
-use crate::sql::{Bound, Sql, TableName, from_micros, micros, statement};
+use crate::sql::plan::{self, planned};
+use crate::sql::{Sql, TableName, from_micros, micros, statement};
 
 /// Rows deleted per statement by the purge operations, so no statement holds long locks.
 pub(crate) const PURGE_BATCH: i64 = 1_000;
@@ -30,73 +31,12 @@ fn behind(cursor: &str) -> String {
 
 /// Planner settings for a purge: walk its indexes in their order and stop at the batch.
 /// Without them, statistics that predate the rows make a bitmap scan and a sort of every
-/// retained row look cheaper, and that reads the whole retention on every round. No JIT:
-/// with sequential scans off, a scan that has no index to use is costed in the billions,
-/// and compiling it would take longer than the statement runs.
-const PURGE_PLAN: &str =
-    "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off";
+/// retained row look cheaper, and that reads the whole retention on every round.
+const PURGE_PLAN: &str = plan::INDEX_SCANS;
 
 /// Planner settings for `stats`, the dead letters and a redrive: index scans only, which
-/// stop at their limits (a bitmap scan reads every entry it matches before the limit
-/// applies), whatever plan a connection cached while the table was small. No JIT, as for
-/// the purge: the scan of `<table>_relays` (one row per relay seen in the last minute, no
-/// index) is costed in the billions with sequential scans off, and PostgreSQL's JIT
-/// compiled the whole statement on every call, 1.6 s where it runs in under a millisecond.
-const INDEXED_PLAN: &str =
-    "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off";
-
-/// Runs `query` under [`INDEXED_PLAN`] in a transaction of its own; inside the caller's
-/// transaction, in a savepoint after which the caller's own values of those settings are
-/// put back (a `SET LOCAL` in a savepoint that is released lasts until the caller's
-/// transaction ends).
-async fn indexed<R>(conn: &mut AsyncPgConnection, query: Bound<'_>) -> diesel::QueryResult<Vec<R>>
-where
-    R: QueryableByName<diesel::pg::Pg> + Send + 'static,
-{
-    use diesel_async::{AnsiTransactionManager, TransactionManager};
-    #[derive(QueryableByName)]
-    struct Saved {
-        #[diesel(sql_type = Text)]
-        seqscan: String,
-        #[diesel(sql_type = Text)]
-        bitmapscan: String,
-        #[diesel(sql_type = Text)]
-        jit: String,
-    }
-    let nested = AnsiTransactionManager::transaction_manager_status_mut(conn)
-        .transaction_depth()?
-        .is_some();
-    conn.transaction(async move |c| {
-        let saved = if nested {
-            Some(
-                diesel::sql_query(
-                    "SELECT current_setting('enable_seqscan') AS seqscan, \
-                     current_setting('enable_bitmapscan') AS bitmapscan, \
-                     current_setting('jit') AS jit",
-                )
-                .get_result::<Saved>(c)
-                .await?,
-            )
-        } else {
-            None
-        };
-        c.batch_execute(INDEXED_PLAN).await?;
-        let rows = query.load::<R>(c).await?;
-        if let Some(saved) = saved {
-            diesel::sql_query(
-                "SELECT set_config('enable_seqscan', $1, true), \
-                 set_config('enable_bitmapscan', $2, true), set_config('jit', $3, true)",
-            )
-            .bind::<Text, _>(saved.seqscan)
-            .bind::<Text, _>(saved.bitmapscan)
-            .bind::<Text, _>(saved.jit)
-            .execute(c)
-            .await?;
-        }
-        Ok(rows)
-    })
-    .await
-}
+/// stop at their limits, whatever plan a connection cached while the table was small.
+const INDEXED_PLAN: &str = plan::INDEX_SCANS;
 
 /// Beyond this many sent rows `stats` reports the planner's estimate instead of counting.
 const SENT_EXACT_LIMIT: i64 = 100_000;
@@ -434,7 +374,9 @@ impl Outbox {
         }
         let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
         let query = self.statements().ops.redrive.bind(Redrive { keys });
-        let rows: Vec<KeyRow> = indexed(conn, query).await.map_err(|e| self.db_error(e))?;
+        let rows: Vec<KeyRow> = planned(conn, INDEXED_PLAN, query)
+            .await
+            .map_err(|e| self.db_error(e))?;
         let mut keys: Vec<String> = rows.into_iter().map(|r| r.key).collect();
         keys.sort();
         Ok(keys)
@@ -458,7 +400,9 @@ impl Outbox {
         let query = self.statements().ops.dead_letters.bind(DeadLetters {
             limit: i64::from(limit),
         });
-        let rows: Vec<DeadLetterRow> = indexed(conn, query).await.map_err(|e| self.db_error(e))?;
+        let rows: Vec<DeadLetterRow> = planned(conn, INDEXED_PLAN, query)
+            .await
+            .map_err(|e| self.db_error(e))?;
         Ok(rows.into_iter().map(DeadLetter::from).collect())
     }
 

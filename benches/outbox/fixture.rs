@@ -525,9 +525,35 @@ impl Arrivals {
         self.at.lock().unwrap().len()
     }
 
-    /// Stops consuming; when each message arrived.
-    pub(crate) fn stop(self) -> HashMap<String, Instant> {
+    /// Waits until `n` messages have arrived, or `limit` has passed.
+    pub(crate) async fn wait(&self, n: usize, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.count() < n && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Stops consuming; each message's latency in milliseconds from its commit (in
+    /// `committed`) to its arrival (one that arrived first counts as zero). Fails unless
+    /// every committed message arrived.
+    pub(crate) fn stop(self, committed: &[(String, Instant)]) -> BoxResult<Vec<f64>> {
         self.task.abort();
-        self.at.lock().unwrap().clone()
+        let at = self.at.lock().unwrap();
+        let latencies: Vec<f64> = committed
+            .iter()
+            .filter_map(|(key, t0)| {
+                at.get(key)
+                    .map(|at| at.saturating_duration_since(*t0).as_secs_f64() * 1e3)
+            })
+            .collect();
+        if latencies.len() < committed.len() {
+            return Err(format!(
+                "only {} of {} messages arrived",
+                latencies.len(),
+                committed.len()
+            )
+            .into());
+        }
+        Ok(latencies)
     }
 }

@@ -46,25 +46,11 @@ pub(crate) async fn latency(env: &mut Env) -> BoxResult<Vec<Figure>> {
                 .await?;
             committed.lock().unwrap().insert(key, Instant::now());
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while arrivals.count() < n && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let received = arrivals.stop();
+        arrivals.wait(n, Duration::from_secs(60)).await;
+        let committed: Vec<(String, Instant)> = committed.lock().unwrap().drain().collect();
+        let mut lat = arrivals.stop(&committed)?;
         relay.stop().await?;
         env.drop_queue(&queue).await?;
-        let committed = committed.lock().unwrap().clone();
-        let mut lat: Vec<f64> = committed
-            .iter()
-            .filter_map(|(key, t0)| {
-                received
-                    .get(key)
-                    .map(|at| at.saturating_duration_since(*t0).as_secs_f64() * 1e3)
-            })
-            .collect();
-        if lat.len() < n {
-            return Err(format!("only {} of {n} messages arrived", lat.len()).into());
-        }
         let (p50, p95, p99) = (
             percentile(&mut lat, 50.0),
             percentile(&mut lat, 95.0),

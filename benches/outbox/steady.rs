@@ -285,23 +285,9 @@ async fn stream(
             committed.extend(task.await??);
         }
         let written = started.elapsed().as_secs_f64();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while arrivals.count() < total && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        arrivals.wait(total, Duration::from_secs(60)).await;
         let cost = window.used(&mut env.conn, total).await?;
-        let received = arrivals.stop();
-        let mut lat: Vec<f64> = committed
-            .iter()
-            .filter_map(|(key, t0)| {
-                received
-                    .get(key)
-                    .map(|at| at.saturating_duration_since(*t0).as_secs_f64() * 1e3)
-            })
-            .collect();
-        if lat.len() < total {
-            return Err(format!("only {} of {total} messages arrived", lat.len()).into());
-        }
+        let mut lat = arrivals.stop(&committed)?;
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Stream {
             messages: total,
             written_rate: total as f64 / written,

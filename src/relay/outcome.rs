@@ -103,11 +103,7 @@ impl Outcome {
 /// Planner settings for the claim. It must walk the partial indexes in id order and stop at
 /// the batch size; right after a bulk load, stale statistics can make a bitmap scan and sort
 /// look cheaper, and that costs time in proportion to the whole backlog on every claim.
-/// No JIT: with sequential scans off, a plan the statistics cannot fit to an index is
-/// costed in the billions, far past `jit_above_cost`, and compiling it takes longer than
-/// the claim runs.
-pub(crate) const CLAIM_PLAN: &str =
-    "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off";
+pub(crate) const CLAIM_PLAN: &str = crate::sql::plan::INDEX_SCANS;
 
 /// The columns of a message row that both engines read and turn into a [`Record`].
 #[derive(QueryableByName)]

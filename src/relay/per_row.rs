@@ -5,11 +5,9 @@
 
 use std::time::Duration;
 
-use diesel::QueryResult;
 use diesel::QueryableByName;
-use diesel::pg::Pg;
 use diesel::sql_types::{Array, BigInt, Bool, Integer, Nullable, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
@@ -23,7 +21,8 @@ use crate::connect::PgPool;
 use crate::error::Result;
 use crate::ops::Stats;
 use crate::outbox::Outbox;
-use crate::sql::{Bound, NoParams, Sql, TableName, micros, statement};
+use crate::sql::plan::planned;
+use crate::sql::{NoParams, Sql, TableName, micros, statement};
 
 pub(crate) const MAX_RUN: usize = 1_000;
 
@@ -419,25 +418,8 @@ impl Store for PerRow {
 /// Planner settings for recording outcomes: index scans as for the claim, and no nested
 /// loop. When the statistics say few rows are pending (say, analysed before a burst), the
 /// planner would otherwise rescan the outcome arrays once per row, or read every pending row
-/// into a hash: both cost in proportion to more than the batch. No JIT (see `CLAIM_PLAN`).
-const RECORD_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; \
-                           SET LOCAL enable_nestloop = off; SET LOCAL jit = off";
-
-/// Runs one of the relay's statements in a transaction with the given planner settings.
-async fn planned<R>(
-    conn: &mut AsyncPgConnection,
-    settings: &'static str,
-    query: Bound<'_>,
-) -> QueryResult<Vec<R>>
-where
-    R: QueryableByName<Pg> + Send + 'static,
-{
-    conn.transaction(async move |c| {
-        c.batch_execute(settings).await?;
-        query.load::<R>(c).await
-    })
-    .await
-}
+/// into a hash: both cost in proportion to more than the batch.
+const RECORD_PLAN: &str = crate::sql::plan::NO_NESTED_LOOP;
 
 #[cfg(test)]
 impl crate::sql::Listed for PerRowStatements {

@@ -17,6 +17,7 @@
 //! statement is a query Diesel (sync and async) caches per connection by its SQL text and
 //! bind types.
 
+pub(crate) mod plan;
 mod statements;
 pub(crate) mod table;
 

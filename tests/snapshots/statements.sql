@@ -379,7 +379,7 @@ SELECT (SELECT o.id FROM "sales"."orders_outbox" o WHERE o.status = 'pending' AN
 
 -- record_outcomes
 -- params: bigint[], bigint[], text[], bigint[], text[], integer[]
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_nestloop = off; SET LOCAL jit = off
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL enable_nestloop = off
 UPDATE "sales"."orders_outbox" t SET
     status = CASE o.kind WHEN 'sent' THEN 'sent' WHEN 'dead' THEN 'dead' ELSE 'pending' END,
     sent_at = CASE WHEN o.kind = 'sent' THEN now() ELSE t.sent_at END,
@@ -403,7 +403,7 @@ RETURNING lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_
 
 -- log open_tick
 -- params: bigint, bigint, text, bigint, bigint
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
 WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS cur),
 n AS MATERIALIZED (
     SELECT min(o.id) AS floor, max(o.id) AS ceiling, min(o.id) FILTER (WHERE o.xid >= pg_snapshot_xmax($3::pg_snapshot)) AS fresh
@@ -425,7 +425,7 @@ SELECT lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_att
 
 -- log read_page
 -- params: bigint, bigint, text, text, bigint, bigint
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
 SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
@@ -437,7 +437,7 @@ SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.co
 
 -- log read_late_page
 -- params: bigint, bigint, bigint, text, text, bigint, bigint
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
 SELECT * FROM (
@@ -455,7 +455,7 @@ SELECT * FROM (
 
 -- log pending_aggregates
 -- params: text[], bigint[]
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
 SELECT DISTINCT aggregate_key AS key FROM "sales"."orders_outbox" WHERE status = 'pending' AND aggregate_key = ANY($1::text[]) AND id <> ALL($2::bigint[]);
 
 -- log advance
@@ -469,7 +469,7 @@ SELECT EXISTS (SELECT 1 FROM moved) AS moved, (SELECT c.token FROM "sales"."orde
 
 -- log hand_over
 -- params: bigint[], text[], bigint[], text[], integer[]
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
 UPDATE "sales"."orders_outbox" t SET
     status = CASE o.kind WHEN 'dead' THEN 'dead' ELSE 'pending' END,
     dead_at = CASE WHEN o.kind = 'dead' THEN now() END,

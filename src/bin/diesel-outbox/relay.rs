@@ -209,17 +209,12 @@ async fn pool(
         Error::InvalidOption(why) => {
             Failure::new(USAGE, format!("cannot connect to the database: {why}"))
         }
+        // The timeout's end, a refused login: `until_reachable` returns no other
+        // connection failure.
         Error::Pool(why) => Failure::new(
             CONNECTION,
             format!(
                 "cannot start the relay (the database at {}): {why}",
-                host(database_url)
-            ),
-        ),
-        e if e.is_connection() => Failure::new(
-            CONNECTION,
-            format!(
-                "cannot start the relay (the database at {}): {e}",
                 host(database_url)
             ),
         ),

@@ -14,6 +14,7 @@ use crate::connect::PgPool;
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::relay::outcome::{MessageColumns, OUTCOME_DEAD, OUTCOME_RETRY, Outcome};
+use crate::sql::plan::planned;
 use crate::sql::{Sql, TableName, micros, statement};
 
 statement! {
@@ -126,9 +127,8 @@ pub(crate) struct LogStatements {
 /// Planner settings for the statements that read the log: index scans only, and a plan
 /// made for the parameters of each call. PostgreSQL plans a prepared statement once for any
 /// parameters after five calls, and a plan made while the table was small can then scan a
-/// whole index per call; no JIT, whose compiling costs more than these statements run.
-const LOG_PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; \
-                        SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
+/// whole index per call.
+const LOG_PLAN: &str = crate::sql::plan::CUSTOM_PLANS;
 
 /// Makes the commit of the statement's transaction synchronous whatever the session says
 /// (evaluated in its `WHERE`, so no round trip of its own): a write of the cursor that a
@@ -540,11 +540,7 @@ impl LogTable for PgLog {
                 ceiling: at.ceiling,
                 lease_us: micros(lease),
             });
-            let rows: Vec<OpenedRow> = conn
-                .transaction(async move |c| {
-                    c.batch_execute(LOG_PLAN).await?;
-                    query.load(c).await
-                })
+            let rows: Vec<OpenedRow> = planned(&mut conn, LOG_PLAN, query)
                 .await
                 .map_err(|e| self.outbox.db_error(e))?;
             Ok(match rows.into_iter().next() {
@@ -586,12 +582,9 @@ impl LogTable for PgLog {
                     max_bytes,
                 })
             };
-            conn.transaction(async move |c| {
-                c.batch_execute(LOG_PLAN).await?;
-                query.load(c).await
-            })
-            .await
-            .map_err(|e| self.outbox.db_error(e))
+            planned(&mut conn, LOG_PLAN, query)
+                .await
+                .map_err(|e| self.outbox.db_error(e))
         })
     }
 
@@ -606,11 +599,7 @@ impl LogTable for PgLog {
                 .sql()
                 .pending_aggregates
                 .bind(PendingAggregates { keys, besides });
-            let keys: Vec<KeyRow> = conn
-                .transaction(async move |c| {
-                    c.batch_execute(LOG_PLAN).await?;
-                    query.load(c).await
-                })
+            let keys: Vec<KeyRow> = planned(&mut conn, LOG_PLAN, query)
                 .await
                 .map_err(|e| self.outbox.db_error(e))?;
             Ok(keys.into_iter().map(|k| k.key).collect())
