@@ -87,8 +87,8 @@
 //! - run [`Outbox::enqueue`], [`Outbox::enqueue_many`] and [`Outbox::dedupe`] in a
 //!   transaction of yours, as they are meant to run anyway (and your own statements too);
 //! - [`Outbox::migrate`] and the operations ([`Outbox::stats`], [`Outbox::dead_letters`],
-//!   [`Outbox::redrive`], [`Outbox::purge_sent`], [`Outbox::purge_inbox`]) open their own
-//!   (a savepoint inside yours);
+//!   [`Outbox::redrive`], [`Outbox::discard`], [`Outbox::purge_sent`],
+//!   [`Outbox::purge_inbox`]) open their own (a savepoint inside yours);
 //! - keep the relay on a direct connection to PostgreSQL, a pool of its own on the
 //!   server's address: it LISTENs on a dedicated connection from its pool, and not all of
 //!   its statements run in a transaction. [`RelayBuilder::without_listen`] turns the
@@ -270,7 +270,7 @@ pub use crate::message::Message;
 #[cfg(feature = "metrics")]
 pub use crate::metrics::FacadeMetrics;
 pub use crate::metrics::{Consumed, Metrics, NoMetrics};
-pub use crate::ops::{DeadLetter, Stats};
+pub use crate::ops::{DeadLetter, DeadLetterFilter, Stats};
 pub use crate::outbox::{Outbox, OutboxBuilder};
 pub use crate::publisher::{
     AGGREGATE_HEADER, ATTEMPT_HEADER, BatchResults, FnPublisher, PublishError, Publisher, Record,

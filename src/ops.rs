@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
-use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Bool, Integer, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use crate::error::{Error, Result};
@@ -57,9 +57,26 @@ statement! {
 }
 
 statement! {
-    /// The oldest dead letters.
+    /// The oldest dead letters, of one topic when `topic` is not null, with their payloads
+    /// when `payloads`.
     pub(crate) struct DeadLetters {
+        topic: Nullable<Text> = Option<String>,
+        payloads: Bool = bool,
         limit: BigInt = i64,
+    }
+}
+
+statement! {
+    /// Deletes the dead letters among `keys`.
+    pub(crate) struct Discard {
+        keys: Array<Text> = Vec<String>,
+    }
+}
+
+statement! {
+    /// Deletes up to `batch` dead letters, oldest first.
+    pub(crate) struct DiscardAll {
+        batch: BigInt = i64,
     }
 }
 
@@ -77,6 +94,8 @@ pub(crate) struct OpsStatements {
     pub(crate) stats: Sql<StatsQuery>,
     pub(crate) redrive: Sql<Redrive>,
     pub(crate) dead_letters: Sql<DeadLetters>,
+    pub(crate) discard: Sql<Discard>,
+    pub(crate) discard_all: Sql<DiscardAll>,
     pub(crate) purge_sent: Sql<Purge>,
     pub(crate) purge_inbox: Sql<Purge>,
 }
@@ -144,10 +163,26 @@ impl OpsStatements {
                  RETURNING idempotency_key AS key",
                 keys = Redrive::keys,
             )),
+            // The topic is a filter on the dead letters' own index (they are few), never a
+            // way into the table's history.
             dead_letters: Sql::new(format!(
                 "SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, \
-                 created_at, dead_at FROM {t} WHERE status = 'dead' ORDER BY id LIMIT {}",
-                DeadLetters::limit
+                 created_at, dead_at, CASE WHEN {payloads} THEN payload END AS payload \
+                 FROM {t} WHERE status = 'dead' AND ({topic}::text IS NULL OR topic = {topic}) \
+                 ORDER BY id LIMIT {limit}",
+                payloads = DeadLetters::payloads,
+                topic = DeadLetters::topic,
+                limit = DeadLetters::limit,
+            )),
+            discard: Sql::new(format!(
+                "DELETE FROM {t} WHERE status = 'dead' AND idempotency_key = ANY({keys}::text[]) \
+                 RETURNING idempotency_key AS key",
+                keys = Discard::keys,
+            )),
+            discard_all: Sql::new(format!(
+                "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE status = 'dead' \
+                 ORDER BY id LIMIT {batch} FOR UPDATE SKIP LOCKED) RETURNING idempotency_key AS key",
+                batch = DiscardAll::batch,
             )),
             // Sent rows by the time they were sent; on the log engine also the log's rows
             // the cursor has passed, by the time they were enqueued: the oldest transactions'
@@ -233,6 +268,54 @@ pub struct DeadLetter {
     pub created_at: DateTime<Utc>,
     /// When it died.
     pub dead_at: Option<DateTime<Utc>>,
+    /// Its payload, when asked for with [`DeadLetterFilter::with_payloads`] (else `None`).
+    /// Payloads may hold personal data: show them only to those who may see it.
+    pub payload: Option<Vec<u8>>,
+}
+
+/// Which dead letters [`Outbox::dead_letters_matching`] lists: the oldest first, up to a
+/// limit (50 unless set), of every topic unless one is given, without their payloads
+/// unless asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterFilter {
+    topic: Option<String>,
+    payloads: bool,
+    limit: u32,
+}
+
+impl Default for DeadLetterFilter {
+    fn default() -> Self {
+        DeadLetterFilter {
+            topic: None,
+            payloads: false,
+            limit: 50,
+        }
+    }
+}
+
+impl DeadLetterFilter {
+    /// Every topic, no payloads, at most 50.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only the dead letters of this topic (compared exactly).
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
+        self
+    }
+
+    /// With each dead letter's payload ([`DeadLetter::payload`]).
+    pub fn with_payloads(mut self) -> Self {
+        self.payloads = true;
+        self
+    }
+
+    /// At most this many (at least 1).
+    pub fn limit(mut self, limit: u32) -> Self {
+        self.limit = limit;
+        self
+    }
 }
 
 #[derive(QueryableByName)]
@@ -253,6 +336,8 @@ struct DeadLetterRow {
     created_at: DateTime<Utc>,
     #[diesel(sql_type = Nullable<Timestamptz>)]
     dead_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<diesel::sql_types::Bytea>)]
+    payload: Option<Vec<u8>>,
 }
 
 impl From<DeadLetterRow> for DeadLetter {
@@ -266,6 +351,7 @@ impl From<DeadLetterRow> for DeadLetter {
             last_error: row.last_error,
             created_at: row.created_at,
             dead_at: row.dead_at,
+            payload: row.payload,
         }
     }
 }
@@ -382,7 +468,8 @@ impl Outbox {
         Ok(keys)
     }
 
-    /// The oldest `limit` dead letters, in id order.
+    /// The oldest `limit` dead letters, in id order, without their payloads: as
+    /// [`Outbox::dead_letters_matching`] with `DeadLetterFilter::new().limit(limit)`.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for a zero limit; [`Error::NotMigrated`] or a database
@@ -392,18 +479,96 @@ impl Outbox {
         conn: &mut AsyncPgConnection,
         limit: u32,
     ) -> Result<Vec<DeadLetter>> {
-        if limit == 0 {
+        self.dead_letters_matching(conn, &DeadLetterFilter::new().limit(limit))
+            .await
+    }
+
+    /// The oldest dead letters that `filter` selects, in id order.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for a zero limit or an empty topic; [`Error::NotMigrated`]
+    /// or a database error.
+    pub async fn dead_letters_matching(
+        &self,
+        conn: &mut AsyncPgConnection,
+        filter: &DeadLetterFilter,
+    ) -> Result<Vec<DeadLetter>> {
+        if filter.limit == 0 {
             return Err(Error::invalid_option(
                 "dead_letters: limit must be at least 1",
             ));
         }
+        if filter.topic.as_deref() == Some("") {
+            return Err(Error::invalid_option("dead_letters: the topic is empty"));
+        }
         let query = self.statements().ops.dead_letters.bind(DeadLetters {
-            limit: i64::from(limit),
+            topic: filter.topic.clone(),
+            payloads: filter.payloads,
+            limit: i64::from(filter.limit),
         });
         let rows: Vec<DeadLetterRow> = planned(conn, INDEXED_PLAN, query)
             .await
             .map_err(|e| self.db_error(e))?;
         Ok(rows.into_iter().map(DeadLetter::from).collect())
+    }
+
+    /// Deletes the dead letters among `keys` for good, and returns the keys that went
+    /// (keys that are not dead letters are left alone and not returned; no keys, nothing
+    /// goes: [`Outbox::discard_all`] empties the dead letters). For a message that will
+    /// never be deliverable, such as one to a topic that does not exist, which a redrive
+    /// would only kill again.
+    ///
+    /// Its row is gone, so enqueueing its idempotency key again is no longer reported as
+    /// a duplicate, and nothing of it remains to inspect.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for an empty key; [`Error::NotMigrated`] or a database
+    /// error.
+    pub async fn discard(
+        &self,
+        conn: &mut AsyncPgConnection,
+        keys: &[&str],
+    ) -> Result<Vec<String>> {
+        if keys.iter().any(|k| k.is_empty()) {
+            return Err(Error::invalid_option(
+                "discard: an idempotency key is empty",
+            ));
+        }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+        let query = self.statements().ops.discard.bind(Discard { keys });
+        let rows: Vec<KeyRow> = planned(conn, INDEXED_PLAN, query)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        let mut keys: Vec<String> = rows.into_iter().map(|r| r.key).collect();
+        keys.sort();
+        Ok(keys)
+    }
+
+    /// Deletes every dead letter for good, in batches of 1,000, and returns how many went.
+    /// As [`Outbox::discard`], for all of them.
+    ///
+    /// # Errors
+    /// [`Error::NotMigrated`] or a database error.
+    pub async fn discard_all(&self, conn: &mut AsyncPgConnection) -> Result<u64> {
+        let mut total = 0u64;
+        loop {
+            let query = self
+                .statements()
+                .ops
+                .discard_all
+                .bind(DiscardAll { batch: PURGE_BATCH });
+            let rows: Vec<KeyRow> = planned(conn, INDEXED_PLAN, query)
+                .await
+                .map_err(|e| self.db_error(e))?;
+            let n = rows.len() as u64;
+            total += n;
+            if n < PURGE_BATCH as u64 {
+                return Ok(total);
+            }
+        }
     }
 
     /// Deletes sent rows whose `sent_at` is older than `older_than`, in batches of 1,000,
@@ -499,6 +664,8 @@ impl crate::sql::Listed for OpsStatements {
             stats,
             redrive,
             dead_letters,
+            discard,
+            discard_all,
             purge_sent,
             purge_inbox,
         } = self;
@@ -506,6 +673,8 @@ impl crate::sql::Listed for OpsStatements {
             stats.named_under("stats", INDEXED_PLAN),
             redrive.named_under("redrive", INDEXED_PLAN),
             dead_letters.named_under("dead_letters", INDEXED_PLAN),
+            discard.named_under("discard", INDEXED_PLAN),
+            discard_all.named_under("discard_all", INDEXED_PLAN),
             purge_sent.named_under("purge_sent", PURGE_PLAN),
             purge_inbox.named_under("purge_inbox", PURGE_PLAN),
         ]

@@ -300,8 +300,113 @@ async fn dead_lists_a_dead_letter_and_redrive_brings_it_back() {
         (stats["pending"].as_u64(), stats["dead"].as_u64()),
         (Some(1), Some(0))
     );
-    let again = json(&cli(&table, &["redrive", "--json"]));
+    let again = json(&cli(&table, &["redrive", "--all", "--json"]));
     assert_eq!(again["redriven"], serde_json::json!([]));
+}
+
+/// `redrive` and `discard` act on the keys given, all of which must be dead letters, or on
+/// every dead letter with `--all`; no key (a variable that expanded to nothing), an empty
+/// key, or a key that is no dead letter changes nothing and says why. `dead` filters by
+/// topic and shows payloads when asked.
+#[tokio::test]
+async fn redrive_and_discard_need_keys_or_all_and_change_nothing_on_a_wrong_key() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    for (key, topic, payload) in [
+        ("a", "orders", b"{\"id\":1}".to_vec()),
+        ("b", "no.such.topic", b"x".to_vec()),
+        ("c", "orders", vec![0xff, 0x00, 0x9f]),
+    ] {
+        outbox
+            .enqueue_alone(&mut conn, Message::new(topic, payload).key(key))
+            .await
+            .unwrap();
+    }
+    conn.batch_execute(&format!(
+        "UPDATE {table} SET status = 'dead', dead_at = now(), attempts = 10, last_error = 'nope'"
+    ))
+    .await
+    .unwrap();
+    outbox
+        .enqueue_alone(&mut conn, Message::new("orders", "y").key("d"))
+        .await
+        .unwrap();
+    let dead = |table: &str| json(&cli(table, &["stats", "--json"]))["dead"].as_u64();
+
+    for verb in ["redrive", "discard"] {
+        let none = cli(&table, &[verb]);
+        let err = String::from_utf8_lossy(&none.stderr);
+        assert_eq!(none.status.code(), Some(2), "{verb}: {err}");
+        assert!(
+            err.contains("--all") && err.contains("(3 now; nothing was changed)"),
+            "{verb}: {err}"
+        );
+        let empty = cli(&table, &[verb, ""]);
+        let err = String::from_utf8_lossy(&empty.stderr);
+        assert_eq!(empty.status.code(), Some(2), "{verb} \"\": {err}");
+        assert!(err.contains("empty"), "{verb}: {err}");
+        for wrong in [&["a", "nosuch"][..], &["a", "d"]] {
+            let missing = wrong[1];
+            let out = cli(&table, &[&[verb][..], wrong].concat());
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{verb} {wrong:?}: {err}");
+            assert!(
+                err.contains(&format!(
+                    "no dead letter has the key {missing} (nothing was"
+                )),
+                "{verb} {wrong:?}: {err}"
+            );
+            assert_eq!(dead(&table), Some(3), "{verb} {wrong:?} changed something");
+        }
+    }
+
+    let orders = json(&cli(&table, &["dead", "--topic", "orders", "--json"]));
+    let keys: Vec<&str> = orders["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["a", "c"]);
+    assert!(
+        orders["dead_letters"][0].get("payload").is_none(),
+        "{orders}"
+    );
+    let shown = json(&cli(
+        &table,
+        &["dead", "--topic", "orders", "--show-payload", "--json"],
+    ));
+    assert_eq!(shown["dead_letters"][0]["payload"], "{\"id\":1}");
+    assert_eq!(shown["dead_letters"][0]["payload_encoding"], "utf-8");
+    assert_eq!(shown["dead_letters"][1]["payload"], "/wCf");
+    assert_eq!(shown["dead_letters"][1]["payload_encoding"], "base64");
+    let human = stdout(&cli(&table, &["dead", "--show-payload"]));
+    assert!(
+        human.contains("base64:/wCf") && human.contains("no.such.topic"),
+        "{human}"
+    );
+
+    let discarded = json(&cli(&table, &["discard", "b", "b", "--json"]));
+    assert_eq!(
+        discarded,
+        serde_json::json!({"discarded": 1, "keys": ["b"]})
+    );
+    assert_eq!(dead(&table), Some(2));
+    let redriven = json(&cli(&table, &["redrive", "c", "--json"]));
+    assert_eq!(redriven["redriven"], serde_json::json!(["c"]));
+    let all = json(&cli(&table, &["discard", "--all", "--json"]));
+    assert_eq!(all, serde_json::json!({"discarded": 1}));
+    let stats = json(&cli(&table, &["stats", "--json"]));
+    assert_eq!(
+        (stats["pending"].as_u64(), stats["dead"].as_u64()),
+        (Some(2), Some(0)),
+        "c redriven and d pending"
+    );
+    let conflict = cli(&table, &["redrive", "--all", "a"]);
+    assert_eq!(conflict.status.code(), Some(2));
 }
 
 #[tokio::test]

@@ -1,4 +1,4 @@
-//! Stats, dead letters, redrive and purge against the real PostgreSQL.
+//! Stats, dead letters, redrive, discard and purge against the real PostgreSQL.
 
 mod common;
 
@@ -10,7 +10,7 @@ use common::TestSchema;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use diesel_outbox::{Error, Message, Outbox};
+use diesel_outbox::{DeadLetterFilter, Error, Message, Outbox};
 
 async fn setup(name: &str) -> (TestSchema, AsyncPgConnection, Outbox) {
     let schema = TestSchema::new().await;
@@ -143,6 +143,79 @@ async fn dead_letters_list_key_topic_attempts_and_error() {
         outbox.dead_letters(&mut conn, 0).await,
         Err(Error::InvalidOption(_))
     ));
+}
+
+/// Discarding deletes only dead letters, and only those named (none when none are named);
+/// `discard_all` takes every dead letter and nothing else; a discarded key may be
+/// enqueued again. The topic filter and the payloads of `dead_letters_matching`.
+#[tokio::test]
+async fn discard_deletes_only_the_dead_letters_named_or_all_of_them() {
+    let (_schema, mut conn, outbox) = setup("discard").await;
+    enqueue_keys(&mut conn, &outbox, &["d1", "d2", "d3", "sent", "pending"]).await;
+    set(
+        &mut conn,
+        &outbox,
+        "status = 'dead', dead_at = now(), attempts = 10",
+        &["d1", "d2", "d3"],
+    )
+    .await;
+    set(&mut conn, &outbox, "topic = 'topic.b'", &["d3"]).await;
+    set(
+        &mut conn,
+        &outbox,
+        "status = 'sent', sent_at = now()",
+        &["sent"],
+    )
+    .await;
+
+    let b = outbox
+        .dead_letters_matching(
+            &mut conn,
+            &DeadLetterFilter::new().topic("topic.b").with_payloads(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(b.len(), 1);
+    assert_eq!(
+        (b[0].key.as_str(), b[0].payload.as_deref()),
+        ("d3", Some(&b"p"[..]))
+    );
+    let all = outbox.dead_letters(&mut conn, 10).await.unwrap();
+    assert_eq!(all.len(), 3);
+    assert!(
+        all.iter().all(|d| d.payload.is_none()),
+        "no payloads unless asked"
+    );
+    assert!(matches!(
+        outbox
+            .dead_letters_matching(&mut conn, &DeadLetterFilter::new().topic(""))
+            .await,
+        Err(Error::InvalidOption(_))
+    ));
+
+    assert!(outbox.discard(&mut conn, &[]).await.unwrap().is_empty());
+    assert!(matches!(
+        outbox.discard(&mut conn, &["d1", ""]).await,
+        Err(Error::InvalidOption(_))
+    ));
+    let discarded = outbox
+        .discard(&mut conn, &["d2", "sent", "pending", "missing"])
+        .await
+        .unwrap();
+    assert_eq!(discarded, ["d2"], "only dead letters are discarded");
+    assert_eq!(outbox.discard_all(&mut conn).await.unwrap(), 2);
+    assert_eq!(
+        statuses(&mut conn, &outbox).await,
+        vec![
+            ("sent".into(), "sent".into()),
+            ("pending".into(), "pending".into()),
+        ]
+    );
+    assert_eq!(outbox.discard_all(&mut conn).await.unwrap(), 0);
+    let again = outbox
+        .enqueue_alone(&mut conn, Message::new("topic.a", "p").key("d2"))
+        .await;
+    assert_eq!(again.unwrap(), "d2", "a discarded key is no duplicate");
 }
 
 #[tokio::test]

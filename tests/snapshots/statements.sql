@@ -286,9 +286,19 @@ SELECT
 UPDATE "sales"."orders_outbox" SET status = 'pending', attempts = 0, available_at = now(), lease_until = NULL, dead_at = NULL WHERE status = 'dead' AND (cardinality($1::text[]) = 0 OR idempotency_key = ANY($1)) RETURNING idempotency_key AS key;
 
 -- dead_letters
+-- params: text, boolean, bigint
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
+SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, created_at, dead_at, CASE WHEN $2 THEN payload END AS payload FROM "sales"."orders_outbox" WHERE status = 'dead' AND ($1::text IS NULL OR topic = $1) ORDER BY id LIMIT $3;
+
+-- discard
+-- params: text[]
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
+DELETE FROM "sales"."orders_outbox" WHERE status = 'dead' AND idempotency_key = ANY($1::text[]) RETURNING idempotency_key AS key;
+
+-- discard_all
 -- params: bigint
 -- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
-SELECT id, idempotency_key AS key, topic, aggregate_key, attempts, last_error, created_at, dead_at FROM "sales"."orders_outbox" WHERE status = 'dead' ORDER BY id LIMIT $1;
+DELETE FROM "sales"."orders_outbox" WHERE id IN (SELECT id FROM "sales"."orders_outbox" WHERE status = 'dead' ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING idempotency_key AS key;
 
 -- purge_sent
 -- params: bigint, bigint

@@ -1,7 +1,7 @@
-//! `diesel-outbox`: migrate, inspect, redrive, purge and relay an outbox from the shell.
+//! `diesel-outbox`: migrate, inspect, redrive, discard, purge and relay an outbox from the shell.
 //!
 //! One file per group of subcommands (`schema`: migrate and sql; `ops`: stats, dead,
-//! redrive, purge; `relay`), durations and ages in `durations`, redaction of every
+//! redrive, discard, purge; `relay`), durations and ages in `durations`, redaction of every
 //! URL-valued argument in `secret`, and output through any writer in `output`.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -95,8 +95,13 @@ enum Command {
     Stats(ops::StatsArgs),
     /// List dead letters with their last error.
     Dead(ops::DeadArgs),
-    /// Make dead letters pending again (all of them when no key is given).
-    Redrive(ops::RedriveArgs),
+    /// Make dead letters pending again: those with the keys given (every key must be a
+    /// dead letter, or nothing changes), or all of them with `--all`.
+    Redrive(ops::KeysArgs),
+    /// Delete dead letters for good (a message that no redrive can deliver): those with the
+    /// keys given (every key must be a dead letter, or nothing changes), or all of them
+    /// with `--all`.
+    Discard(ops::KeysArgs),
     /// Delete old sent rows and inbox (dedupe) records.
     Purge(ops::PurgeArgs),
     /// Run a relay to RabbitMQ, NATS JetStream or Kafka until SIGINT or SIGTERM, then drain
@@ -237,6 +242,7 @@ async fn run(cli: Cli, out: &mut dyn Write, terminal: bool) -> Result<(), Failur
         Command::Stats(args) => ops::stats(&outbox, &mut conn, args, &mut output).await,
         Command::Dead(args) => ops::dead(&outbox, &mut conn, args, &mut output).await,
         Command::Redrive(args) => ops::redrive(&outbox, &mut conn, args, &mut output).await,
+        Command::Discard(args) => ops::discard(&outbox, &mut conn, args, &mut output).await,
         Command::Purge(args) => ops::purge(&outbox, &mut conn, args, &mut output).await,
         Command::Sql(_) | Command::Relay(_) | Command::Declare(_) => {
             unreachable!("handled above")
@@ -302,9 +308,13 @@ mod tests {
         assert_eq!(code, 0);
         assert_eq!(out.trim(), "no dead letters");
 
-        let (code, out, _) = cli(&["--table", &table, "redrive", "--json"]).await;
+        let (code, out, _) = cli(&["--table", &table, "redrive", "--all", "--json"]).await;
         assert_eq!(code, 0);
         assert_eq!(out.trim(), r#"{"redriven":[]}"#);
+
+        let (code, out, _) = cli(&["--table", &table, "discard", "--all", "--json"]).await;
+        assert_eq!(code, 0);
+        assert_eq!(out.trim(), r#"{"discarded":0}"#);
 
         let (code, out, _) = cli(&["--table", &table, "purge", "--json"]).await;
         assert_eq!(code, 0);
@@ -394,7 +404,8 @@ mod tests {
             &["migrate"][..],
             &["stats"],
             &["dead"],
-            &["redrive"],
+            &["redrive", "--all"],
+            &["discard", "--all"],
             &["purge"],
         ] {
             let args: Vec<&str> = ["--no-statement-cache", "--table", &table]

@@ -1,16 +1,16 @@
-//! `stats`, `dead`, `redrive` and `purge`: looking at the table and repairing it.
+//! `stats`, `dead`, `redrive`, `discard` and `purge`: looking at the table and repairing it.
 
 use std::time::Duration;
 
 use clap::Args;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use diesel_async::AsyncPgConnection;
-use diesel_outbox::Outbox;
+use diesel_outbox::{DeadLetterFilter, Outbox};
 use serde_json::json;
 
-use crate::Failure;
 use crate::durations::Age;
 use crate::output::Output;
+use crate::{Failure, USAGE};
 
 #[derive(Args)]
 pub(crate) struct StatsArgs {
@@ -27,12 +27,25 @@ pub(crate) struct DeadArgs {
     /// How many to list, oldest first.
     #[arg(long, default_value_t = 50)]
     limit: u32,
+    /// Only the dead letters of this topic.
+    #[arg(long)]
+    topic: Option<String>,
+    /// Show each payload (as text when it is UTF-8, else base64). Payloads may hold
+    /// personal data.
+    #[arg(long)]
+    show_payload: bool,
 }
 
+/// The dead letters a `redrive` or `discard` acts on: the keys given, every one of which
+/// must be a dead letter, or all of them with `--all`.
 #[derive(Args)]
-pub(crate) struct RedriveArgs {
-    /// Idempotency keys to redrive.
+pub(crate) struct KeysArgs {
+    /// Idempotency keys of dead letters.
+    #[arg(conflicts_with = "all")]
     keys: Vec<String>,
+    /// Every dead letter.
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Args)]
@@ -127,11 +140,18 @@ pub(crate) async fn dead(
     args: DeadArgs,
     out: &mut Output<'_>,
 ) -> Result<(), Failure> {
-    let letters = outbox.dead_letters(conn, args.limit).await?;
+    let mut filter = DeadLetterFilter::new().limit(args.limit);
+    if let Some(topic) = args.topic {
+        filter = filter.topic(topic);
+    }
+    if args.show_payload {
+        filter = filter.with_payloads();
+    }
+    let letters = outbox.dead_letters_matching(conn, &filter).await?;
     let rows: Vec<serde_json::Value> = letters
         .iter()
         .map(|d| {
-            json!({
+            let mut row = json!({
                 "key": d.key,
                 "topic": d.topic,
                 "aggregate_key": d.aggregate_key,
@@ -139,7 +159,13 @@ pub(crate) async fn dead(
                 "last_error": d.last_error,
                 "created_at": d.created_at,
                 "dead_at": d.dead_at,
-            })
+            });
+            if let Some(payload) = &d.payload {
+                let (text, encoding) = shown(payload);
+                row["payload"] = json!(text);
+                row["payload_encoding"] = json!(encoding);
+            }
+            row
         })
         .collect();
     out.print(json!({ "dead_letters": rows }), || {
@@ -147,15 +173,13 @@ pub(crate) async fn dead(
             return "no dead letters".to_owned();
         }
         let mut table = Table::new();
-        table.load_preset(UTF8_FULL_CONDENSED).set_header([
-            "key",
-            "topic",
-            "attempts",
-            "dead at",
-            "last error",
-        ]);
+        let mut header = vec!["key", "topic", "attempts", "dead at", "last error"];
+        if args.show_payload {
+            header.push("payload");
+        }
+        table.load_preset(UTF8_FULL_CONDENSED).set_header(header);
         for d in &letters {
-            table.add_row([
+            let mut row = vec![
                 d.key.clone(),
                 d.topic.clone(),
                 d.attempts.to_string(),
@@ -163,20 +187,49 @@ pub(crate) async fn dead(
                     t.format("%Y-%m-%d %H:%M:%S").to_string()
                 }),
                 d.last_error.clone().unwrap_or_default(),
-            ]);
+            ];
+            if let Some(payload) = &d.payload {
+                let (text, encoding) = shown(payload);
+                row.push(if encoding == "utf-8" {
+                    text
+                } else {
+                    format!("base64:{text}")
+                });
+            }
+            table.add_row(row);
         }
         table.to_string()
     })
 }
 
+/// A payload as text: itself when it is UTF-8, else its base64; with the encoding's name.
+fn shown(payload: &[u8]) -> (String, &'static str) {
+    use base64::Engine as _;
+    match std::str::from_utf8(payload) {
+        Ok(text) => (text.to_owned(), "utf-8"),
+        Err(_) => (
+            base64::engine::general_purpose::STANDARD.encode(payload),
+            "base64",
+        ),
+    }
+}
+
 pub(crate) async fn redrive(
     outbox: &Outbox,
     conn: &mut AsyncPgConnection,
-    args: RedriveArgs,
+    args: KeysArgs,
     out: &mut Output<'_>,
 ) -> Result<(), Failure> {
-    let keys: Vec<&str> = args.keys.iter().map(String::as_str).collect();
-    let redriven = outbox.redrive(conn, &keys).await?;
+    let redriven = if args.all {
+        outbox.redrive(conn, &[]).await?
+    } else {
+        keys_given(outbox, conn, &args, "redrive").await?;
+        let keys = distinct(&args.keys)?;
+        all_or_nothing(conn, "redriven", &keys, async |c| {
+            outbox.redrive(c, &keys).await
+        })
+        .await?
+    };
     out.print(json!({ "redriven": redriven }), || {
         let mut text = format!("redrove {} dead letter(s)", redriven.len());
         for key in &redriven {
@@ -184,6 +237,116 @@ pub(crate) async fn redrive(
         }
         text
     })
+}
+
+pub(crate) async fn discard(
+    outbox: &Outbox,
+    conn: &mut AsyncPgConnection,
+    args: KeysArgs,
+    out: &mut Output<'_>,
+) -> Result<(), Failure> {
+    if args.all {
+        let n = outbox.discard_all(conn).await?;
+        return out.print(json!({ "discarded": n }), || {
+            format!("discarded {n} dead letter(s)")
+        });
+    }
+    keys_given(outbox, conn, &args, "discard").await?;
+    let keys = distinct(&args.keys)?;
+    let discarded = all_or_nothing(conn, "discarded", &keys, async |c| {
+        outbox.discard(c, &keys).await
+    })
+    .await?;
+    out.print(
+        json!({ "discarded": discarded.len(), "keys": discarded }),
+        || {
+            let mut text = format!("discarded {} dead letter(s)", discarded.len());
+            for key in &discarded {
+                text.push_str(&format!("\n  {key}"));
+            }
+            text
+        },
+    )
+}
+
+/// Refuses a `redrive` or `discard` given neither keys nor `--all` (a variable that
+/// expanded to nothing, say), saying how many dead letters `--all` would take.
+async fn keys_given(
+    outbox: &Outbox,
+    conn: &mut AsyncPgConnection,
+    args: &KeysArgs,
+    verb: &str,
+) -> Result<(), Failure> {
+    if !args.keys.is_empty() {
+        return Ok(());
+    }
+    let dead = outbox.stats(conn).await?.dead;
+    Err(Failure::new(
+        USAGE,
+        format!(
+            "{verb}: give the idempotency keys of the dead letters to {verb}, or --all for \
+             every one of them ({dead} now; nothing was changed)"
+        ),
+    ))
+}
+
+/// The keys given, each once; an empty one is refused (a variable that expanded to
+/// nothing, say).
+fn distinct(keys: &[String]) -> Result<Vec<&str>, Failure> {
+    if keys.iter().any(String::is_empty) {
+        return Err(Failure::new(
+            USAGE,
+            "an idempotency key is empty (nothing was changed); to act on every dead letter, pass --all",
+        ));
+    }
+    let mut keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    Ok(keys)
+}
+
+/// Runs `act` on `keys` in one transaction, kept only if it acted on every key: a key that
+/// is not a dead letter is named, and nothing changes.
+async fn all_or_nothing(
+    conn: &mut AsyncPgConnection,
+    done: &str,
+    keys: &[&str],
+    act: impl AsyncFnOnce(&mut AsyncPgConnection) -> diesel_outbox::Result<Vec<String>>,
+) -> Result<Vec<String>, Failure> {
+    use diesel_async::{AnsiTransactionManager, TransactionManager};
+    let db = |e: diesel::result::Error| Failure::from(diesel_outbox::Error::from(e));
+    AnsiTransactionManager::begin_transaction(conn)
+        .await
+        .map_err(db)?;
+    let acted = act(conn).await;
+    let missing: Vec<&str> = match &acted {
+        Ok(acted) => keys
+            .iter()
+            .copied()
+            .filter(|k| acted.binary_search_by(|a| a.as_str().cmp(k)).is_err())
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    if acted.is_err() || !missing.is_empty() {
+        AnsiTransactionManager::rollback_transaction(conn)
+            .await
+            .map_err(db)?;
+        let acted = acted?;
+        return Err(Failure::new(
+            1,
+            format!(
+                "no dead letter has the key{} {} (nothing was {done}; {} of the {} keys are dead letters)",
+                if missing.len() == 1 { "" } else { "s" },
+                missing.join(", "),
+                acted.len(),
+                keys.len(),
+            ),
+        ));
+    }
+    AnsiTransactionManager::commit_transaction(conn)
+        .await
+        .map_err(db)?;
+    Ok(acted?)
 }
 
 pub(crate) async fn purge(
