@@ -509,7 +509,8 @@ async fn the_cli_runs_through_pgbouncer_with_no_statement_cache() {
         &["migrate"][..],
         &["stats"],
         &["dead"],
-        &["redrive"],
+        &["redrive", "--all"],
+        &["discard", "--all"],
         &["purge"],
     ] {
         let out = cli(command, "true");
