@@ -231,8 +231,12 @@ impl TlsNats {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start /usr/sbin/nats-server");
+        // The monitor's port opens before JetStream is up, the clients' port after it.
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", monitor)).is_err() {
+        while [monitor, port]
+            .iter()
+            .any(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_err())
+        {
             assert!(
                 std::time::Instant::now() < deadline,
                 "nats-server did not start"
