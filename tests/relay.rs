@@ -742,6 +742,44 @@ async fn notify_wakes_an_idle_relay_and_survives_a_killed_listen_backend() {
     assert_eq!(recorder.keys(), vec!["first", "second"]);
 }
 
+/// A trickle of messages, one every 5 ms from a writer of its own, each in its own
+/// transaction: every one is published long before the poll interval (an hour), whether
+/// the relay is idle (woken), lingering or busy when it commits.
+#[tokio::test]
+async fn a_steady_trickle_is_published_as_it_comes() {
+    let mut f = fixture().await;
+    let recorder = Recorder::default();
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), recorder.clone())
+        .poll_interval(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let (stop, task) = spawn_relay(relay.clone());
+    eventually(DEADLINE, "the relay to listen", || async {
+        relay.listening().then_some(())
+    })
+    .await;
+    f.wait_idle_relays(1).await;
+    let mut keys = Vec::new();
+    for i in 0..200 {
+        let key = format!("t{i}");
+        f.enqueue(Message::new("t", "x").key(key.clone())).await;
+        keys.push(key);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        // Each message is out well within the time a slow machine takes, and far within
+        // the poll interval.
+        if i % 50 == 49 {
+            let now: Vec<&str> = keys.iter().map(String::as_str).collect();
+            wait_published(&recorder, &now[..now.len() - 1], Duration::from_secs(3)).await;
+        }
+    }
+    let all: Vec<&str> = keys.iter().map(String::as_str).collect();
+    wait_published(&recorder, &all, Duration::from_secs(3)).await;
+    stop_relay(stop, task).await;
+    assert_eq!(recorder.len(), keys.len(), "each published once");
+}
+
 #[derive(QueryableByName)]
 struct Killed {
     #[diesel(sql_type = Bool)]

@@ -10,6 +10,7 @@ pub(crate) mod log;
 mod options;
 mod outage;
 mod outcome;
+mod pace;
 pub(crate) mod per_row;
 pub(crate) mod presence;
 mod publish;

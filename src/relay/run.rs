@@ -1,12 +1,13 @@
 //! The relay loop of one run ([`Relay::run_until`]): a [`Loop`] whose moves have names.
 //!
 //! Each turn, in this order: start the waiting batch if a publishing slot is free
-//! ([`Loop::start_waiting`]); claim the next batch when there is room
-//! ([`Loop::claim`]); then wait, in the first state that applies:
+//! ([`Loop::start_waiting`]); claim the next batch when there is room and a look is due
+//! ([`Loop::claim`]; when looks are due is the [`Pace`]'s to say); then wait, in the
+//! first state that applies:
 //! - batches under way or the broker out of reach: [`Loop::wait_busy`], looking for new
-//!   work now and then so that a slow batch does not hold up fresh messages;
-//! - work done a moment ago: [`Loop::linger`], looking every millisecond, so that under
-//!   steady traffic writers need not notify;
+//!   work at the pace, so that a slow batch does not hold up fresh messages;
+//! - work found a moment ago: [`Loop::linger`], looking at the pace, so that under steady
+//!   traffic writers need not notify;
 //! - no LISTEN connection: [`Loop::poll`];
 //! - idle: [`Loop::sleep_idle`], holding the wake lock (see `listener`).
 //!
@@ -31,6 +32,7 @@ use tokio::time::Instant;
 
 use super::limits::{MAX_STALLED, PIPELINE, RECORD_GRACE};
 use super::listener::{self, WATCH_RETRY, Wake, Watch};
+use super::pace::Pace;
 use super::presence::{IDLE_REFRESH, RunName};
 use super::publish::Slot;
 use super::store::Batch;
@@ -39,24 +41,6 @@ use crate::error::{Error, Result};
 use crate::publisher::Publisher;
 use crate::shutdown::{AbortOnDrop, or_stop, until_stopped};
 use crate::streak::{Loudness, Streak};
-
-/// While batches are in flight, the relay looks for new work this often, and a quarter as
-/// often after each look that found nothing, down to once per [`BUSY_POLL_MAX`] (and never
-/// less often than the poll interval). A look is a claim, which behind a long run of one
-/// aggregate reads every row of the run: looks that keep finding nothing thin out fast.
-const BUSY_POLL: Duration = Duration::from_millis(1);
-/// The longest wait between looks for new work while batches are in flight.
-const BUSY_POLL_MAX: Duration = Duration::from_millis(160);
-/// After work, the relay keeps looking for this long before it calls itself idle.
-const LINGER: Duration = Duration::from_millis(50);
-/// The first wait between looks while lingering, doubled after each look that finds
-/// nothing up to [`LINGER_POLL_MAX`]: a stream that brings a message every few
-/// milliseconds is met within the latency budget by a few looks per message, not one
-/// each millisecond.
-const LINGER_POLL: Duration = Duration::from_millis(1);
-/// The longest wait between looks while lingering (within figure (d)'s budget of 5 ms at
-/// the median).
-const LINGER_POLL_MAX: Duration = Duration::from_millis(4);
 
 /// One run of a relay ([`Relay::run_until`]): what it shares with its listener and its
 /// batches.
@@ -97,22 +81,18 @@ struct Loop<'a, P> {
     stopper: &'a watch::Sender<bool>,
     /// `run.stop`, to wait on.
     stopped: watch::Receiver<bool>,
-    in_flight: JoinSet<()>,
+    /// Batches publishing or recording; each says, once over, whether it held messages of
+    /// aggregates.
+    in_flight: JoinSet<bool>,
     slots: Arc<Semaphore>,
     /// A claimed batch waiting for a publishing slot.
     waiting: Option<Batch>,
-    /// Whether to claim before waiting: false after a batch that was not full (the backlog
-    /// is drained for now), true again when a batch finishes or a look is due.
-    claim_more: bool,
+    /// When to look for work.
+    pace: Pace,
     /// Claims that failed in a row.
     failures: u32,
     /// Those failures, for the logs.
     claim_streak: Streak,
-    /// Looks for new work that found nothing while batches are under way; each one waits
-    /// longer.
-    fruitless: u32,
-    /// Until when the relay keeps looking often after work.
-    linger_until: Instant,
     /// What this run last wrote of its outage into `<table>_relays`, and when.
     blocked_written: (Option<Instant>, Instant),
     /// Whether `<table>_relays` says this run is idle, and since when.
@@ -260,20 +240,6 @@ impl<P: Publisher> Relay<P> {
         Ok(batch)
     }
 
-    /// While lingering: returns once a cheap probe sees a due row, or the linger time is
-    /// over. The waits between probes double from [`LINGER_POLL`] to [`LINGER_POLL_MAX`].
-    async fn wait_due(&self) {
-        let until = Instant::now() + LINGER;
-        let mut wait = LINGER_POLL;
-        while Instant::now() < until {
-            tokio::time::sleep(wait).await;
-            if self.due().await {
-                return;
-            }
-            wait = (wait * 2).min(LINGER_POLL_MAX);
-        }
-    }
-
     /// One cheap look for due work; true on an error too, to let the claim report it.
     async fn due(&self) -> bool {
         self.inner.store.due().await.unwrap_or(true)
@@ -287,9 +253,15 @@ impl<P: Publisher> Relay<P> {
     /// Reports a batch task that panicked (a bug of the relay: publisher panics are caught
     /// per record). Its rows stay leased: they are claimed again after the lease, and die
     /// if that keeps happening.
-    fn finished(&self, done: std::result::Result<(), tokio::task::JoinError>) {
-        if let Err(e) = done {
-            tracing::error!(table = %self.inner.outbox.table(), error = %e, "publishing a batch panicked");
+    /// Returns whether the batch held messages of aggregates (a panicked one counts as
+    /// such: look again).
+    fn finished(&self, done: std::result::Result<bool, tokio::task::JoinError>) -> bool {
+        match done {
+            Ok(aggregates) => aggregates,
+            Err(e) => {
+                tracing::error!(table = %self.inner.outbox.table(), error = %e, "publishing a batch panicked");
+                true
+            }
         }
     }
 }
@@ -305,11 +277,9 @@ impl<'a, P: Publisher> Loop<'a, P> {
             in_flight: JoinSet::new(),
             slots: Arc::new(Semaphore::new(PIPELINE)),
             waiting: None,
-            claim_more: true,
+            pace: Pace::new(now),
             failures: 0,
             claim_streak: Streak::default(),
-            fruitless: 0,
-            linger_until: now + LINGER,
             blocked_written: (None, now),
             marked_idle: false,
             idle_written: now,
@@ -331,7 +301,11 @@ impl<'a, P: Publisher> Loop<'a, P> {
             let backing_off = self.relay.inner.outage.retry_at();
             self.start_waiting(backing_off);
             let room = self.room();
-            if self.claim_more && self.waiting.is_none() && room && backing_off.is_none() {
+            if self.pace.due(Instant::now())
+                && self.waiting.is_none()
+                && room
+                && backing_off.is_none()
+            {
                 match self.claim().await {
                     Some(Turn::Next) => continue,
                     Some(Turn::Stop) => break Ok(()),
@@ -342,17 +316,17 @@ impl<'a, P: Publisher> Loop<'a, P> {
             let turn =
                 if self.waiting.is_some() || !self.in_flight.is_empty() || backing_off.is_some() {
                     self.wait_busy(backing_off, room).await
+                } else if self.pace.lingering(Instant::now()) {
+                    self.linger().await
                 } else {
-                    // Nothing due and nothing in flight.
-                    self.fruitless = 0;
-                    self.claim_more = true;
-                    if Instant::now() < self.linger_until {
-                        self.linger().await
-                    } else if !self.run.wake.listening() {
-                        self.poll().await
-                    } else {
+                    // Idle: whatever ends the wait but shutdown leads to a look.
+                    let turn = if self.run.wake.listening() {
                         self.sleep_idle().await
-                    }
+                    } else {
+                        self.poll().await
+                    };
+                    self.pace.woken(Instant::now());
+                    turn
                 };
             match turn {
                 Turn::Next => {}
@@ -389,8 +363,10 @@ impl<'a, P: Publisher> Loop<'a, P> {
         let relay = self.relay.clone();
         let stop = self.run.stop.clone();
         let slot = Slot::new(permit, Some(self.slots.clone()), self.run.stalled.clone());
+        let aggregates = batch.ready.iter().any(|c| c.record.aggregate_key.is_some());
         self.in_flight.spawn(async move {
             relay.run_batch(batch, stop, slot).await;
+            aggregates
         });
     }
 
@@ -400,19 +376,19 @@ impl<'a, P: Publisher> Loop<'a, P> {
         match self.relay.claim(Some(&self.run.stop)).await {
             Ok(batch) if batch.claimed() > 0 => {
                 self.claims_work_again();
-                self.fruitless = 0;
+                self.pace
+                    .found(Instant::now(), batch.claimed(), options.batch_size);
                 // Busy: writers need not notify; let the wake lock go.
                 self.run.wake.want_idle(false);
                 if self.marked_idle {
                     self.marked_idle = !self.relay.mark_idle(&self.run.name(), false).await;
                 }
-                self.claim_more = batch.claimed() >= options.batch_size;
                 self.waiting = Some(batch);
                 Some(Turn::Next)
             }
             Ok(_) => {
                 self.claims_work_again();
-                self.fruitless = self.fruitless.saturating_add(1);
+                self.pace.found(Instant::now(), 0, options.batch_size);
                 None
             }
             Err(e @ Error::NotMigrated { .. }) => Some(Turn::Fail(e)),
@@ -451,47 +427,47 @@ impl<'a, P: Publisher> Loop<'a, P> {
     }
 
     /// Batches are under way (or the broker is out of reach): start the waiting one when a
-    /// slot frees, and look for new work now and then, so a slow batch does not hold up
-    /// fresh messages. A finished batch may have unblocked its aggregates' successors: look
-    /// again at once. While the broker is unavailable, wait for the next try.
+    /// slot frees, and look for new work at the pace, so a slow batch does not hold up
+    /// fresh messages. A finished batch may have unblocked its aggregates' successors (the
+    /// pace then looks at once). While the broker is unavailable, wait for the next try.
     async fn wait_busy(&mut self, backing_off: Option<Instant>, room: bool) -> Turn {
         let options = &self.relay.inner.options;
-        let busy_poll = (BUSY_POLL * 4u32.saturating_pow(self.fruitless.min(4)))
-            .min(BUSY_POLL_MAX)
-            .min(options.poll_interval);
-        let next_look = backing_off.unwrap_or_else(|| Instant::now() + busy_poll);
+        let next_look = backing_off
+            .unwrap_or_else(|| self.pace.next().min(Instant::now() + options.poll_interval));
         let looks = self.waiting.is_none() || backing_off.is_some();
         let refresh_at = self.blocked_written.1 + IDLE_REFRESH;
         let waiting = self.waiting.is_some();
-        let turn = tokio::select! {
+        tokio::select! {
             done = self.in_flight.join_next(), if !self.in_flight.is_empty() => {
                 if let Some(done) = done {
-                    self.relay.finished(done);
+                    let aggregates = self.relay.finished(done);
+                    self.pace.finished(Instant::now(), aggregates);
                 }
-                self.claim_more = true;
                 Turn::Next
             }
             // A slot is free: the waiting batch starts at the top of the loop.
             _ = self.slots.acquire(), if waiting && backing_off.is_none() => Turn::Next,
             // Without room to claim, only a finishing batch makes room.
             () = tokio::time::sleep_until(next_look), if looks && room => {
-                self.claim_more = true;
+                // Past the outage's backoff, the next try is due.
+                self.pace.now(Instant::now());
                 Turn::Next
             }
             // Blocked time is kept current in `<table>_relays`.
             () = tokio::time::sleep_until(refresh_at), if backing_off.is_some() => Turn::Next,
-            () = until_stopped(&mut self.stopped) => return Turn::Stop,
-        };
-        self.linger_until = Instant::now() + LINGER;
-        turn
+            () = until_stopped(&mut self.stopped) => Turn::Stop,
+        }
     }
 
-    /// Right after work, keep looking often for a while: under steady traffic the relay
-    /// stays awake and writers need not NOTIFY.
+    /// Right after work, keep looking at the pace for a while: under steady traffic the
+    /// relay stays awake and writers need not NOTIFY.
     async fn linger(&mut self) -> Turn {
         tokio::select! {
-            () = self.run.wake.notify.notified() => Turn::Next,
-            () = self.relay.wait_due() => Turn::Next,
+            () = self.run.wake.notify.notified() => {
+                self.pace.now(Instant::now());
+                Turn::Next
+            }
+            () = tokio::time::sleep_until(self.pace.next()) => Turn::Next,
             () = until_stopped(&mut self.stopped) => Turn::Stop,
         }
     }
@@ -621,6 +597,7 @@ mod tests {
     use crate::relay::RelayBuilder;
     use crate::relay::options::Options;
     use crate::relay::outcome::{Claimed, OUTCOME_RELEASE, OUTCOME_SENT, Outcome};
+    use crate::relay::pace::{EMPTY_MAX, LINGER};
     use crate::relay::publish::STALL;
     use crate::relay::store::Store;
 
@@ -639,6 +616,8 @@ mod tests {
         rows: Mutex<Vec<Row>>,
         /// Claims that took at least one row.
         claims: AtomicUsize,
+        /// Every take, whatever it found.
+        looks: AtomicUsize,
         /// Looks for due work.
         dues: AtomicUsize,
         /// Every outcome recorded: (key, kind).
@@ -691,6 +670,7 @@ mod tests {
             options: &'a Options,
             held: Vec<i64>,
         ) -> BoxFuture<'a, Result<Batch>> {
+            self.looks.fetch_add(1, Ordering::SeqCst);
             let mut rows = self.rows.lock().unwrap();
             let ready: Vec<Claimed> = rows
                 .iter_mut()
@@ -913,7 +893,7 @@ mod tests {
         })
         .await;
         assert!(
-            added.elapsed() <= BUSY_POLL_MAX,
+            added.elapsed() <= crate::relay::pace::BUSY_MAX,
             "found within one busy look: {:?}",
             added.elapsed()
         );
@@ -928,8 +908,8 @@ mod tests {
         task.await.unwrap().unwrap();
     }
 
-    /// A linger that finds nothing looks about a dozen times (the waits doubling from 1 ms
-    /// to 4 ms), not once each millisecond.
+    /// A linger that finds nothing looks a few times (the waits doubling from 2 ms to
+    /// 16 ms), not once each millisecond.
     #[tokio::test(start_paused = true)]
     async fn a_linger_thins_its_looks_out() {
         let memory = Arc::new(Memory::default());
@@ -941,10 +921,10 @@ mod tests {
             memory.outcome_of("first") == Some(OUTCOME_SENT)
         })
         .await;
-        let before = memory.dues.load(Ordering::SeqCst);
+        let before = memory.looks.load(Ordering::SeqCst);
         tokio::time::sleep(LINGER * 2).await;
-        let looks = memory.dues.load(Ordering::SeqCst) - before;
-        assert!((10..=15).contains(&looks), "{looks} looks in one linger");
+        let looks = memory.looks.load(Ordering::SeqCst) - before;
+        assert!((4..=8).contains(&looks), "{looks} looks in one linger");
         let _ = stop.send(());
         task.await.unwrap().unwrap();
     }
@@ -970,15 +950,11 @@ mod tests {
             memory.outcome_of("lingering") == Some(OUTCOME_SENT)
         })
         .await;
-        assert!(
-            added.elapsed() <= LINGER_POLL_MAX + LINGER_POLL,
-            "took {:?}",
-            added.elapsed()
-        );
+        assert!(added.elapsed() <= EMPTY_MAX, "took {:?}", added.elapsed());
 
         // Once idle, nothing looks until the poll interval is up.
         tokio::time::sleep(LINGER * 4).await;
-        let dues = memory.dues.load(Ordering::SeqCst);
+        let looks = memory.looks.load(Ordering::SeqCst);
         memory.add("idle");
         let added = Instant::now();
         until("the message found by polling", || {
@@ -991,9 +967,9 @@ mod tests {
             added.elapsed()
         );
         assert_eq!(
-            memory.dues.load(Ordering::SeqCst),
-            dues,
-            "an idle relay without LISTEN does not probe"
+            memory.looks.load(Ordering::SeqCst),
+            looks + 1,
+            "an idle relay without LISTEN looks only when the poll interval is up"
         );
         // Idle, then busy, then idle again: each recorded once.
         tokio::time::sleep(LINGER * 4).await;

@@ -28,21 +28,35 @@ macro_rules! index_scans {
 /// before a limit applies), and no JIT.
 pub(crate) const INDEX_SCANS: &str = index_scans!();
 
+macro_rules! no_nested_loop {
+    () => {
+        concat!(index_scans!(), "; SET LOCAL enable_nestloop = off")
+    };
+}
+
+macro_rules! custom_plans {
+    () => {
+        concat!(
+            index_scans!(),
+            "; SET LOCAL plan_cache_mode = force_custom_plan"
+        )
+    };
+}
+
 /// [`INDEX_SCANS`] and no nested loop, for a join of the table with arrays of the batch.
-pub(crate) const NO_NESTED_LOOP: &str =
-    concat!(index_scans!(), "; SET LOCAL enable_nestloop = off");
+pub(crate) const NO_NESTED_LOOP: &str = no_nested_loop!();
 
 /// [`INDEX_SCANS`] and a plan made for the parameters of each call, for a statement whose
 /// best plan depends on them.
-pub(crate) const CUSTOM_PLANS: &str = concat!(
-    index_scans!(),
-    "; SET LOCAL plan_cache_mode = force_custom_plan"
-);
+pub(crate) const CUSTOM_PLANS: &str = custom_plans!();
 
 /// Runs `query` after the planner settings `plan` (`SET LOCAL`s) in a transaction of its
 /// own. Inside the caller's transaction that is a savepoint, and a `SET LOCAL` in a
 /// savepoint that is released lasts until the caller's transaction ends: there the
 /// caller's own values of those settings are put back after the query.
+///
+/// On a connection of its own (no transaction open) the transaction takes three round
+/// trips ([`in_three_round_trips`]): its `BEGIN` and the settings go as one.
 pub(crate) async fn planned<R>(
     conn: &mut AsyncPgConnection,
     plan: &'static str,
@@ -60,34 +74,65 @@ where
     let nested = AnsiTransactionManager::transaction_manager_status_mut(conn)
         .transaction_depth()?
         .is_some();
-    let names = nested.then(|| settings(plan));
+    if !nested {
+        return in_three_round_trips(conn, plan, query).await;
+    }
+    let names = settings(plan);
     conn.transaction(async move |c| {
-        let saved = match &names {
-            Some(names) => Some(
-                diesel::sql_query(
-                    "SELECT array_agg(current_setting(n) ORDER BY i) AS values \
-                     FROM unnest($1::text[]) WITH ORDINALITY AS s (n, i)",
-                )
-                .bind::<Array<Text>, _>(names)
-                .get_result::<Saved>(c)
-                .await?,
-            ),
-            None => None,
-        };
+        let saved = diesel::sql_query(
+            "SELECT array_agg(current_setting(n) ORDER BY i) AS values \
+             FROM unnest($1::text[]) WITH ORDINALITY AS s (n, i)",
+        )
+        .bind::<Array<Text>, _>(&names)
+        .get_result::<Saved>(c)
+        .await?;
         c.batch_execute(plan).await?;
         let rows = query.load::<R>(c).await?;
-        if let (Some(names), Some(saved)) = (&names, saved) {
-            diesel::sql_query(
-                "SELECT set_config(n, v, true) FROM unnest($1::text[], $2::text[]) AS s (n, v)",
-            )
-            .bind::<Array<Text>, _>(names)
-            .bind::<Array<Text>, _>(saved.values)
-            .execute(c)
-            .await?;
-        }
+        diesel::sql_query(
+            "SELECT set_config(n, v, true) FROM unnest($1::text[], $2::text[]) AS s (n, v)",
+        )
+        .bind::<Array<Text>, _>(&names)
+        .bind::<Array<Text>, _>(saved.values)
+        .execute(c)
+        .await?;
         Ok(rows)
     })
     .await
+}
+
+/// The transaction of [`planned`] on a connection of its own, in three round trips:
+/// `BEGIN` with the settings as one simple query, the query, and the `COMMIT` (or the
+/// `ROLLBACK` after a failed query).
+async fn in_three_round_trips<R>(
+    conn: &mut AsyncPgConnection,
+    plan: &'static str,
+    query: Bound<'_>,
+) -> diesel::QueryResult<Vec<R>>
+where
+    R: QueryableByName<Pg> + Send + 'static,
+{
+    use diesel_async::{AnsiTransactionManager, TransactionManager};
+    AnsiTransactionManager::begin_transaction_sql(conn, begin(plan)).await?;
+    match query.load::<R>(conn).await {
+        Ok(rows) => {
+            AnsiTransactionManager::commit_transaction(conn).await?;
+            Ok(rows)
+        }
+        Err(e) => {
+            AnsiTransactionManager::rollback_transaction(conn).await?;
+            Err(e)
+        }
+    }
+}
+
+/// `BEGIN` and a plan's `SET LOCAL`s as one simple query.
+fn begin(plan: &'static str) -> &'static str {
+    match plan {
+        INDEX_SCANS => concat!("BEGIN; ", index_scans!()),
+        NO_NESTED_LOOP => concat!("BEGIN; ", no_nested_loop!()),
+        CUSTOM_PLANS => concat!("BEGIN; ", custom_plans!()),
+        _ => unreachable!("a plan of this module"),
+    }
 }
 
 /// The names of the settings a plan's `SET LOCAL`s set.
@@ -118,5 +163,12 @@ mod tests {
             ]
         );
         assert_eq!(settings(NO_NESTED_LOOP).len(), 4);
+    }
+
+    #[test]
+    fn each_plan_has_its_begin() {
+        for plan in [INDEX_SCANS, NO_NESTED_LOOP, CUSTOM_PLANS] {
+            assert_eq!(begin(plan), format!("BEGIN; {plan}"));
+        }
     }
 }

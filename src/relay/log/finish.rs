@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use tokio::time::Instant;
 
 use super::Log;
 use super::statements::{Advanced, Guard};
@@ -123,6 +124,9 @@ impl Page {
         let guard = self.guard;
         match advanced {
             Some(Advanced::Moved) => {
+                if let Some(due) = hand_over.iter().map(|o| o.delay).min() {
+                    log.handed(Instant::now() + due);
+                }
                 log.finished(|c| c.moved(seq, guard, to, page_attempts, cut));
                 0
             }

@@ -105,6 +105,36 @@ pub(crate) struct Log {
     runs: std::sync::atomic::AtomicUsize,
     /// Signals every finish.
     finished: watch::Sender<()>,
+    /// When a take next claims on the per-row side (see [`PerRowLooks`]).
+    per_row: Mutex<PerRowLooks>,
+}
+
+/// When the per-row side beside the log is worth a claim, for the relay that reads the
+/// log. Most of the time it holds nothing, and a claim each take would double a steady
+/// stream's round trips; rows come
+/// to it from a hand-over (this relay's own: it claims once they are due), a redrive, a
+/// relay that crashed with rows leased, or a table moved from the per-row engine, which a
+/// claim each poll interval (and at the start of each run) finds.
+#[derive(Debug, Clone, Copy)]
+struct PerRowLooks {
+    next: Instant,
+}
+
+impl PerRowLooks {
+    fn due(&self, now: Instant) -> bool {
+        self.next <= now
+    }
+
+    /// A claim at `now` took `found` rows: while it finds some, the next take claims
+    /// again; else the next after `poll`.
+    fn found(&mut self, now: Instant, found: usize, poll: Duration) {
+        self.next = if found > 0 { now } else { now + poll };
+    }
+
+    /// Rows were handed over, the first due at `at`.
+    fn handed(&mut self, at: Instant) {
+        self.next = self.next.min(at);
+    }
 }
 
 impl std::fmt::Debug for Log {
@@ -123,7 +153,19 @@ impl Log {
             reader: tokio::sync::Mutex::new(()),
             runs: std::sync::atomic::AtomicUsize::new(0),
             finished: watch::Sender::new(()),
+            per_row: Mutex::new(PerRowLooks {
+                next: Instant::now(),
+            }),
         })
+    }
+
+    fn per_row(&self) -> std::sync::MutexGuard<'_, PerRowLooks> {
+        self.per_row.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Rows this relay handed to the per-row side: the first is due at `at`.
+    fn handed(&self, at: Instant) {
+        self.per_row().handed(at);
     }
 
     fn cursor(&self) -> std::sync::MutexGuard<'_, Cursor> {
@@ -161,9 +203,10 @@ impl Log {
         }
     }
 
-    /// A run begins.
+    /// A run begins: its first take claims on the per-row side too.
     pub(crate) fn join(&self) {
         self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.handed(Instant::now());
     }
 
     /// A run ended: the last one gives the cursor's lease back, so another relay takes
@@ -216,10 +259,23 @@ impl LogEngine {
 }
 
 impl Store for LogEngine {
-    /// The per-row side's claim, then a page of the log in the room it left.
+    /// The per-row side's claim (when it is worth one, see [`PerRowLooks`]), then a page
+    /// of the log in the room it left.
     fn take<'a>(&'a self, options: &'a Options, held: Vec<i64>) -> BoxFuture<'a, Result<Batch>> {
         Box::pin(async move {
-            let mut batch = self.per_row.take(options, held).await?;
+            let now = Instant::now();
+            // Off the log (a table on the per-row engine, or another relay holds the
+            // cursor), the per-row side is all there is: claim on it each take.
+            let reading = self.log.cursor().token().is_some();
+            let mut batch = if !reading || self.log.per_row().due(now) {
+                let batch = self.per_row.take(options, held).await?;
+                self.log
+                    .per_row()
+                    .found(now, batch.claimed(), options.poll_interval);
+                batch
+            } else {
+                Batch::default()
+            };
             let room = options.batch_size.saturating_sub(batch.claimed());
             if room == 0 {
                 return Ok(batch);

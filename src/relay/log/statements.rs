@@ -637,20 +637,31 @@ impl LogTable for PgLog {
                         .collect(),
                 })
             });
+            let Some(hand) = hand else {
+                // A finish that hands nothing over writes the cursor alone, in one statement
+                // (its own transaction, committed synchronously).
+                let row: AdvanceRow = advance
+                    .get_result(&mut conn)
+                    .await
+                    .map_err(|e| self.outbox.db_error(e))?;
+                return Ok(if row.moved {
+                    Advanced::Moved
+                } else {
+                    Advanced::Guarded { token: row.token }
+                });
+            };
             // The table before the cursor, as every transaction that writes both takes
             // them (a tick open reads the table, then writes the cursor; a move locks the
             // table, then deletes the cursor): a finish and a move never wait on each other
-            // in a cycle. A finish that hands nothing over writes the cursor alone.
+            // in a cycle.
             let mut guarded = None;
             let done = conn
                 .transaction(async |c| {
-                    if let Some(hand) = hand {
-                        // Index scans for the hand-over's rows (whatever plan the
-                        // connection cached while the table was small); the cursor's
-                        // update after it has its primary key either way.
-                        c.batch_execute(LOG_PLAN).await?;
-                        hand.execute(c).await?;
-                    }
+                    // Index scans for the hand-over's rows (whatever plan the connection
+                    // cached while the table was small); the cursor's update after it has
+                    // its primary key either way.
+                    c.batch_execute(LOG_PLAN).await?;
+                    hand.execute(c).await?;
                     let row: AdvanceRow = advance.get_result(c).await?;
                     if !row.moved {
                         // Nothing of this finish may stay.
