@@ -18,6 +18,8 @@ pub const BATCH_SIZE: usize = 100;
 pub const CONCURRENCY: usize = 4;
 /// [`RelayBuilder::lease`](crate::RelayBuilder::lease).
 pub const LEASE: Duration = Duration::from_secs(30);
+/// [`RelayBuilder::cursor_lease`](crate::RelayBuilder::cursor_lease).
+pub const CURSOR_LEASE: Duration = Duration::from_secs(5);
 /// [`RelayBuilder::poll_interval`](crate::RelayBuilder::poll_interval).
 pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
 /// [`RelayBuilder::max_attempts`](crate::RelayBuilder::max_attempts).

@@ -32,7 +32,10 @@ pub enum Engine {
     /// on from where the cursor is, publishing again what lies between.
     ///
     /// Hazards: one relay at a time holds the cursor (others relay the per-row side and take
-    /// the cursor over within a lease), and a publish that hangs holds the next tick back
+    /// the cursor over within its lease, renewed by a heartbeat: a relay killed while it
+    /// holds it stalls the log for about
+    /// [`RelayBuilder::cursor_lease`](crate::RelayBuilder::cursor_lease), 5 s by default),
+    /// and a publish that hangs holds the next tick back
     /// until the publisher's timeout ends it. A dead message redriven while later messages
     /// of its aggregate are being published from the log may be published beside them.
     /// Retention keeps a message of the log for the retention after its enqueue, not after

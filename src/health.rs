@@ -24,6 +24,11 @@ pub struct Health {
     /// Why it is not live or not ready, in words (never a URL or a password); empty when
     /// it is both.
     pub reasons: Vec<String>,
+    /// What a ready relay waits for before it publishes from the log, in words: another
+    /// relay's lease on the log's cursor (naming that relay, and when its lease ends
+    /// unless it renews it). Such a standby is ready: it publishes what is handed to the
+    /// per-row side, and takes the cursor over once the holder's lease ends.
+    pub waiting_for: Option<String>,
 }
 
 /// What a loop records as it turns, and the last failures of its database and broker.
@@ -40,6 +45,8 @@ struct State {
     last_turn: Option<Instant>,
     database: Option<(String, Instant)>,
     broker: Option<(String, Instant)>,
+    /// The relay holding the log's cursor, and when its lease ends.
+    cursor_holder: Option<(String, Instant)>,
 }
 
 impl Vitals {
@@ -88,6 +95,12 @@ impl Vitals {
         });
     }
 
+    /// Another relay holds the log's cursor (its name, and how long its lease has left), or
+    /// none.
+    pub(crate) fn cursor_held_by(&self, holder: Option<(String, Duration)>) {
+        self.state().cursor_holder = holder.map(|(name, left)| (name, Instant::now() + left));
+    }
+
     /// The health of `what` ("the relay", "the consumer"), `broker_down` adding a broker
     /// outage known elsewhere.
     pub(crate) fn health(&self, what: &str, broker_down: Option<(String, Instant)>) -> Health {
@@ -120,10 +133,19 @@ impl Vitals {
             ));
         }
         let ready = live && reasons.is_empty();
+        let waiting_for = state.cursor_holder.as_ref().map(|(name, ends)| {
+            let left = ends.saturating_duration_since(Instant::now());
+            format!(
+                "the log's cursor, held by relay {name} (its lease ends in {:.1}s unless \
+                 that relay renews it)",
+                left.as_secs_f64()
+            )
+        });
         Health {
             live,
             ready,
             reasons,
+            waiting_for,
         }
     }
 }
@@ -154,9 +176,22 @@ mod tests {
             Health {
                 live: true,
                 ready: true,
-                reasons: Vec::new()
+                reasons: Vec::new(),
+                waiting_for: None,
             }
         );
+        vitals.cursor_held_by(Some(("host:7:ab".into(), Duration::from_millis(2_500))));
+        let standby = vitals.health("the relay", None);
+        assert!(standby.ready);
+        assert_eq!(
+            standby.waiting_for.as_deref(),
+            Some(
+                "the log's cursor, held by relay host:7:ab (its lease ends in 2.5s unless \
+                 that relay renews it)"
+            )
+        );
+        vitals.cursor_held_by(None);
+        assert_eq!(vitals.health("the relay", None).waiting_for, None);
         vitals.database(Some("cannot connect to db:5432: connection refused".into()));
         tokio::time::sleep(Duration::from_secs(3)).await;
         vitals.database(Some("still refused".into()));

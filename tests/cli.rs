@@ -181,6 +181,21 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
     assert!(!log.contains("guest:guest"), "no credentials in logs");
     let stats = json(&cli(&table, &["stats", "--json"]));
     assert_eq!(stats["sent"], 5);
+
+    // A cursor lease out of range: a usage error naming it, before anything starts.
+    let bad = Command::new(BIN)
+        .args(["--table", &table, "relay", "--exchange", &broker.exchange])
+        .args(["--cursor-lease", "50ms"])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("cursor_lease 50ms must be between 100ms and 1 day"),
+        "{err}"
+    );
 }
 
 /// `--broker nats`: the same relay process, publishing to JetStream under a subject prefix.

@@ -678,3 +678,101 @@ async fn a_clones_cycle_ending_leaves_the_cursor_to_the_clone_still_running() {
         "published twice: {counts:?}"
     );
 }
+
+#[derive(QueryableByName)]
+struct Owner {
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    owner: Option<String>,
+    #[diesel(sql_type = BigInt)]
+    token: i64,
+}
+
+/// Who holds the cursor of `f`'s table, and under which token.
+async fn cursor_owner(f: &mut Fixture) -> (Option<String>, i64) {
+    let row: Owner = diesel::sql_query(format!(
+        "SELECT owner, token FROM {}_cursor WHERE part = 0",
+        f.outbox.table()
+    ))
+    .get_result(&mut f.conn)
+    .await
+    .unwrap();
+    (row.owner, row.token)
+}
+
+/// Two relays on one table: the one holding the log's cursor keeps it by its heartbeat
+/// however long it idles or works (the standby never takes it from a live holder, and says
+/// whom it waits for); killed (its task aborted mid-run: no give-back), it stalls the log
+/// for about one cursor lease, not one row lease, before the standby publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_keeps_off_a_live_holders_cursor_and_takes_over_within_a_lease_of_a_kill() {
+    let mut f = log_fixture().await;
+    let cursor_lease = Duration::from_secs(1);
+    let relay_on = |recorder: &Recorder| {
+        f.outbox
+            .relay(f.pool.clone(), recorder.clone())
+            // A row lease far longer than the stall this test allows.
+            .lease(Duration::from_secs(120))
+            .cursor_lease(cursor_lease)
+            .poll_interval(Duration::from_millis(100))
+            .build()
+            .unwrap()
+    };
+    let (first, second) = (Recorder::default(), Recorder::default());
+    let holder = relay_on(&first);
+    let standby = relay_on(&second);
+    let (_keep, holding) = spawn_relay(holder.clone());
+    f.enqueue(Message::new("t", "x").key("before")).await;
+    eventually(DEADLINE, "the first relay published", || {
+        let n = first.len();
+        async move { (n == 1).then_some(()) }
+    })
+    .await;
+    let (owner, token) = cursor_owner(&mut f).await;
+    let owner = owner.expect("the first relay holds the cursor");
+    let (stop_standby, standing_by) = spawn_relay(standby.clone());
+    let waiting = eventually(DEADLINE, "the standby says whom it waits for", || {
+        let w = standby.health().waiting_for;
+        async move { w }
+    })
+    .await;
+    assert!(
+        waiting.contains(&format!("held by relay {owner}")),
+        "{waiting}"
+    );
+    assert!(standby.health().ready, "a standby is ready");
+    // Five cursor leases of work and idling: the holder keeps the cursor throughout.
+    for i in 0..10 {
+        f.enqueue(Message::new("t", "x").key(format!("while-{i}")))
+            .await;
+        tokio::time::sleep(cursor_lease / 2).await;
+    }
+    eventually(DEADLINE, "the first relay published the stream", || {
+        let n = first.len();
+        async move { (n == 11).then_some(()) }
+    })
+    .await;
+    assert_eq!(cursor_owner(&mut f).await, (Some(owner.clone()), token));
+    assert_eq!(second.len(), 0, "the standby published nothing of the log");
+
+    // The holder dies.
+    holding.abort();
+    let killed = Instant::now();
+    f.enqueue(Message::new("t", "x").key("after")).await;
+    eventually(DEADLINE, "the standby published after the kill", || {
+        let keys = second.keys();
+        async move { keys.iter().any(|k| k == "after").then_some(()) }
+    })
+    .await;
+    let stall = killed.elapsed();
+    assert!(
+        stall < Duration::from_secs(15),
+        "the log stalled {stall:?} after the kill (cursor lease {cursor_lease:?}, row lease 120s)"
+    );
+    assert_ne!(cursor_owner(&mut f).await.0, Some(owner));
+    eventually(DEADLINE, "the new holder waits for nobody", || {
+        let w = standby.health().waiting_for;
+        async move { w.is_none().then_some(()) }
+    })
+    .await;
+    stop_relay(stop_standby, standing_by).await;
+}

@@ -2,6 +2,7 @@
 //! `run`; ARCHITECTURE.md says which does what.
 
 mod gauges;
+mod heartbeat;
 mod held;
 mod janitor;
 mod limits;
@@ -101,6 +102,20 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
+    /// How long the log's cursor stays this relay's without a renewal, on a table on the
+    /// log engine (100 ms to 1 day): a heartbeat renews it every fifth of it, apart from
+    /// the relay's work. A relay killed while it holds the cursor stalls the table's log
+    /// for at most this long (plus a heartbeat) before a standby relay takes over. A
+    /// relay cut off from the database for longer loses the cursor: the relay that takes
+    /// it over reads the pages it had in flight again, so what both published reaches the
+    /// broker twice (consumers dedupe it). Defaults to 5 s, or the lease if that is
+    /// shorter.
+    pub fn cursor_lease(mut self, lease: Duration) -> Self {
+        self.options.cursor_lease = lease;
+        self.options.cursor_lease_set = true;
+        self
+    }
+
     /// How often the relay looks for work without being woken (10 ms to 1 day): backoff
     /// expiries, delayed messages, expired leases, and anything committed while it was not
     /// listening. Defaults to 2 s.
@@ -190,7 +205,7 @@ impl<P: Publisher> RelayBuilder<P> {
             outbox: self.outbox.clone(),
             pool: self.pool.clone(),
         };
-        let store = Arc::new(LogEngine::new(per_row, uuid::Uuid::new_v4().to_string()));
+        let store = Arc::new(LogEngine::new(per_row, holder_name()));
         self.build_on(store)
     }
 
@@ -347,4 +362,17 @@ impl<P: Publisher> Relay<P> {
         }
         Ok(claimed)
     }
+}
+
+/// This relay's name as the holder of a log cursor's lease: its host, its process and a
+/// random part (relays of one process differ in that).
+fn holder_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}:{}:{}", std::process::id(), &random[..8])
 }

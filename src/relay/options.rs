@@ -11,6 +11,10 @@ pub(crate) struct Options {
     pub(crate) batch_size: usize,
     pub(crate) concurrency: usize,
     pub(crate) lease: Duration,
+    /// The log cursor's lease, renewed by a heartbeat every fifth of it.
+    pub(crate) cursor_lease: Duration,
+    /// Whether the user set `cursor_lease` (otherwise it is at most the lease).
+    pub(crate) cursor_lease_set: bool,
     pub(crate) poll_interval: Duration,
     pub(crate) max_attempts: u32,
     pub(crate) backoff_min: Duration,
@@ -30,6 +34,8 @@ impl Default for Options {
             batch_size: defaults::BATCH_SIZE,
             concurrency: defaults::CONCURRENCY,
             lease: defaults::LEASE,
+            cursor_lease: defaults::CURSOR_LEASE,
+            cursor_lease_set: false,
             poll_interval: defaults::POLL_INTERVAL,
             max_attempts: defaults::MAX_ATTEMPTS,
             backoff_min: defaults::BACKOFF_MIN,
@@ -52,11 +58,20 @@ impl Options {
         self.lease / 2
     }
 
+    /// How often a heartbeat renews the log cursor's lease: five times per lease, so that
+    /// a renewal or two lost on the way does not lose it.
+    pub(crate) fn heartbeat(&self) -> Duration {
+        self.cursor_lease / 5
+    }
+
     /// Fits what the user did not set to the lease: the drain timeout is at most
-    /// [`Options::publish_bound`].
+    /// [`Options::publish_bound`], the cursor's lease at most the lease.
     pub(crate) fn fit_to_lease(&mut self) {
         if !self.drain_timeout_set {
             self.drain_timeout = defaults::DRAIN_TIMEOUT.min(self.publish_bound());
+        }
+        if !self.cursor_lease_set {
+            self.cursor_lease = defaults::CURSOR_LEASE.min(self.lease);
         }
     }
 
@@ -75,6 +90,12 @@ impl Options {
             return bad(format!(
                 "lease {:?} must be between 100ms and 1 day",
                 self.lease
+            ));
+        }
+        if self.cursor_lease < Duration::from_millis(100) || self.cursor_lease > DAY {
+            return bad(format!(
+                "cursor_lease {:?} must be between 100ms and 1 day",
+                self.cursor_lease
             ));
         }
         if self.poll_interval < Duration::from_millis(10) || self.poll_interval > DAY {
@@ -177,10 +198,23 @@ mod tests {
         };
         short.fit_to_lease();
         assert_eq!(short.drain_timeout, Duration::from_millis(500));
+        assert_eq!(short.cursor_lease, Duration::from_secs(1));
+        assert_eq!(short.heartbeat(), Duration::from_millis(200));
         short.validate(Some(Duration::from_millis(500))).unwrap();
         let mut long = Options::default();
         long.fit_to_lease();
         assert_eq!(long.drain_timeout, defaults::DRAIN_TIMEOUT);
+        assert_eq!(long.cursor_lease, defaults::CURSOR_LEASE);
+        let tiny = Options {
+            cursor_lease: Duration::from_millis(50),
+            cursor_lease_set: true,
+            ..Options::default()
+        };
+        let err = tiny.validate(None).unwrap_err().to_string();
+        assert!(
+            err.contains("cursor_lease 50ms must be between 100ms and 1 day"),
+            "{err}"
+        );
         let mut explicit = Options {
             lease: Duration::from_secs(4),
             drain_timeout: Duration::from_secs(3),

@@ -36,7 +36,7 @@ use super::pace::Pace;
 use super::presence::{IDLE_REFRESH, RunName};
 use super::publish::Slot;
 use super::store::Batch;
-use super::{Relay, gauges, janitor};
+use super::{Relay, gauges, heartbeat, janitor};
 use crate::error::{Error, Result};
 use crate::publisher::Publisher;
 use crate::shutdown::{AbortOnDrop, or_stop, until_stopped};
@@ -152,6 +152,17 @@ impl<P: Publisher> Relay<P> {
             )))
         });
 
+        let heartbeat = inner.store.beats().then(|| {
+            AbortOnDrop::new(tokio::spawn(heartbeat::run(
+                table.clone(),
+                inner.store.clone(),
+                inner.options.clone(),
+                inner.vitals.clone(),
+                run.wake.clone(),
+                stop.clone(),
+            )))
+        });
+
         let running = Loop::new(self, &run, &stopper).run();
         let mut running = pin!(running);
         let mut shutdown = pin!(shutdown.fuse());
@@ -167,6 +178,8 @@ impl<P: Publisher> Relay<P> {
             listener.stop().await;
         }
         run.wake.set_listening(false);
+        drop(heartbeat);
+        inner.vitals.cursor_held_by(None);
         tracing::info!(table = %table, relay = %run.id, "relay stopped");
         result
     }

@@ -45,6 +45,16 @@ pub(crate) trait Store: Send + Sync + 'static {
     fn leave(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
+    /// Whether the engine holds something for the relay that a [heartbeat](Store::heartbeat)
+    /// must keep (the log's cursor).
+    fn beats(&self) -> bool {
+        false
+    }
+    /// Keeps what the engine holds for the relay (renews the log cursor's lease, or takes
+    /// it when it is free), every [`Options::heartbeat`] while a run goes on.
+    fn heartbeat<'a>(&'a self, _options: &'a Options) -> BoxFuture<'a, Result<Beat>> {
+        Box::pin(async { Ok(Beat::Off) })
+    }
     /// The table's gauges, for the metrics.
     fn stats(&self) -> BoxFuture<'_, Result<Stats>>;
     /// Upserts this run's record in `<table>_relays`.
@@ -60,6 +70,29 @@ pub(crate) trait Store: Send + Sync + 'static {
     /// The pool, for what keeps connections of its own (the LISTEN connection, the
     /// janitor); `None` for a store without a database.
     fn pool(&self) -> Option<&PgPool>;
+}
+
+/// What a [heartbeat](Store::heartbeat) found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Beat {
+    /// Nothing to keep (no cursor: the table is on the per-row engine).
+    Off,
+    /// The relay held it, and renewed it.
+    Held,
+    /// The relay took it (or found it elsewhere than it left it): the loop should look
+    /// for work now.
+    Took,
+    /// Another relay holds it.
+    Waiting(Holder),
+}
+
+/// The relay that holds the log's cursor, as a standby sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Holder {
+    /// Its name (host, process id and a random part).
+    pub(crate) name: String,
+    /// How long its lease has left unless it renews it.
+    pub(crate) lease_left: Duration,
 }
 
 /// What one take returned.

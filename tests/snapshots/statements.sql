@@ -493,6 +493,9 @@ WHERE t.id = ANY($1::bigint[]) AND t.id = o.id AND t.status = 'logged';
 -- params: text, bigint
 UPDATE "sales"."orders_outbox_cursor" SET owner = NULL, lease_until = now() WHERE part = 0 AND owner = $1 AND token = $2 AND set_config('synchronous_commit', 'on', true) IS NOT NULL;
 
+-- log holder
+SELECT owner, greatest(0, floor(extract(epoch FROM lease_until - now()) * 1000000))::bigint AS lease_left_us FROM "sales"."orders_outbox_cursor" WHERE part = 0;
+
 -- log committed
 -- params: text
 SELECT (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= pg_snapshot_xmax($1::pg_snapshot) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL OR (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($1::pg_snapshot))) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL AS found;

@@ -39,6 +39,11 @@ pub(crate) struct RelayArgs {
     /// Claim lease.
     #[arg(long, default_value_t = Period(defaults::LEASE), allow_hyphen_values = true)]
     pub(crate) lease: Period,
+    /// How long the log's cursor stays this relay's without a renewal (log engine): a
+    /// heartbeat renews it every fifth of it, and a standby takes over this long after the
+    /// holder dies [default: 5s, or the lease when that is shorter].
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) cursor_lease: Option<Period>,
     /// Poll interval when not woken.
     #[arg(long, default_value_t = Period(defaults::POLL_INTERVAL), allow_hyphen_values = true)]
     pub(crate) poll_interval: Period,
@@ -295,6 +300,9 @@ fn build<P: Publisher>(
         .retention(args.retention.0)
         .inbox_retention(args.inbox_retention.0)
         .max_batch_bytes(args.max_batch_bytes);
+    if let Some(lease) = &args.cursor_lease {
+        builder = builder.cursor_lease(lease.0);
+    }
     if args.metrics_addr.is_some() {
         builder = builder.metrics(diesel_outbox::FacadeMetrics::new(outbox.table()));
     }

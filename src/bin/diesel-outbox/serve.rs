@@ -52,23 +52,27 @@ pub(crate) async fn serve(addr: SocketAddr, health: HealthSource) -> Result<(), 
     Ok(())
 }
 
-/// 200 or 503, with `{"live": …, "ready": …, "reasons": […]}`.
+/// 200 or 503, with `{"live": …, "ready": …, "reasons": […], "waiting_for": …}`
+/// (`waiting_for`: what a standby relay waits for, or `null`).
 async fn probe(health: HealthSource, readiness: bool) -> Response {
     let health = health
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .as_ref()
         .map(|source| source());
-    let (ok, live, ready, reasons) = match health {
+    let (ok, live, ready, reasons, waiting_for) = match health {
         Some(h) => (
             if readiness { h.ready } else { h.live },
             h.live,
             h.ready,
             h.reasons,
+            h.waiting_for,
         ),
-        None => (false, false, false, vec!["starting".to_owned()]),
+        None => (false, false, false, vec!["starting".to_owned()], None),
     };
-    let body = serde_json::json!({ "live": live, "ready": ready, "reasons": reasons });
+    let body = serde_json::json!({
+        "live": live, "ready": ready, "reasons": reasons, "waiting_for": waiting_for,
+    });
     let status = if ok {
         StatusCode::OK
     } else {

@@ -9,9 +9,12 @@
 //! - `cursor.rs`: what the relay knows of the cursor (its lease, the tick, the read
 //!   position, the pages in flight), a value whose every decision is one call;
 //! - `page.rs`: reading the next page, step by step;
-//! - `finish.rs`: a page in its batch, and its finish.
+//! - `finish.rs`: a page in its batch, and its finish;
+//! - `lease.rs`: the heartbeat that keeps the cursor's lease, and a standby's wait for it.
 //!
-//! One relay holds the cursor at a time (its lease, renewed as it works). Pages of one
+//! One relay holds the cursor at a time: its lease (the cursor lease, 5 s by default) is
+//! renewed by a heartbeat apart from the pages, so a relay that dies loses it within a
+//! lease and a standby takes over. Pages of one
 //! tick are pipelined like per-row batches: each is read after the one before it, and
 //! finished after the one before it finished, so the relay's finishes only move the cursor
 //! forward, and only past pages whose every message was confirmed or handed over. A tick
@@ -20,6 +23,7 @@
 
 mod cursor;
 mod finish;
+mod lease;
 mod page;
 mod statements;
 #[cfg(test)]
@@ -35,11 +39,11 @@ use tokio::time::Instant;
 
 use self::cursor::{Cursor, Look};
 pub(crate) use self::statements::LogStatements;
-use self::statements::{Advanced, CursorRow, Guard, Opened, PageRow, PgLog};
+use self::statements::{Advanced, CursorRow, Guard, HolderRow, Opened, PageRow, PgLog};
 use super::options::Options;
 use super::outcome::Outcome;
 use super::per_row::PerRow;
-use super::store::{Batch, Store};
+use super::store::{Batch, Beat, Store};
 use crate::connect::PgPool;
 use crate::error::Result;
 use crate::ops::Stats;
@@ -90,6 +94,9 @@ pub(crate) trait LogTable: Send + Sync + 'static {
     fn committed<'a>(&'a self, hi: &'a str) -> BoxFuture<'a, Result<bool>>;
     /// Gives the lease back (`owner`'s, under `token`), committed synchronously.
     fn give_back<'a>(&'a self, owner: &'a str, token: i64) -> BoxFuture<'a, Result<()>>;
+    /// Who holds the cursor's lease and how long it has left (`None`: the table has no
+    /// cursor).
+    fn holder(&self) -> BoxFuture<'_, Result<Option<HolderRow>>>;
 }
 
 /// The log's state of one relay, shared by its batches.
@@ -107,6 +114,11 @@ pub(crate) struct Log {
     finished: watch::Sender<()>,
     /// When a take next claims on the per-row side (see [`PerRowLooks`]).
     per_row: Mutex<PerRowLooks>,
+    /// Held by a heartbeat's take and by the give-back, so that a take under way cannot
+    /// take the cursor again once it was given back.
+    beat: tokio::sync::Mutex<()>,
+    /// The holder this relay last said it stands by for, so that it says so once.
+    standing_by: Mutex<Option<String>>,
 }
 
 /// When the per-row side beside the log is worth a claim, for the relay that reads the
@@ -156,6 +168,8 @@ impl Log {
             per_row: Mutex::new(PerRowLooks {
                 next: Instant::now(),
             }),
+            beat: tokio::sync::Mutex::new(()),
+            standing_by: Mutex::new(None),
         })
     }
 
@@ -228,6 +242,7 @@ impl Log {
 
     /// Gives the cursor's lease back.
     async fn give_back(&self) {
+        let _beat = self.beat.lock().await;
         let Some(token) = self.cursor().token() else {
             return;
         };
@@ -305,6 +320,14 @@ impl Store for LogEngine {
 
     fn due(&self) -> BoxFuture<'_, Result<bool>> {
         Box::pin(async move { Ok(self.per_row.due().await? || self.log.has_work().await?) })
+    }
+
+    fn beats(&self) -> bool {
+        true
+    }
+
+    fn heartbeat<'a>(&'a self, options: &'a Options) -> BoxFuture<'a, Result<Beat>> {
+        Box::pin(self.log.keep(options))
     }
 
     fn join(&self) {

@@ -83,8 +83,10 @@ impl Log {
             }
         };
         let asked = Instant::now();
-        let row = self.table.take(&self.owner, options.lease).await?;
-        let taken = self.cursor().taken(row, asked, options.lease, version);
+        let row = self.table.take(&self.owner, options.cursor_lease).await?;
+        let taken = self
+            .cursor()
+            .taken(row, asked, options.cursor_lease, version);
         self.say(&taken);
         Ok(taken != Taken::Not)
     }
@@ -101,13 +103,15 @@ impl Log {
                 Next::Open(at) => at,
             };
             let asked = Instant::now();
-            match self.table.open_tick(&at, options.lease).await? {
+            match self.table.open_tick(&at, options.cursor_lease).await? {
                 Opened::Tick(row) => {
                     tracing::trace!(table = %self.name, tick = row.tick, "opened a tick");
-                    self.cursor().opened(row, asked, options.lease);
+                    self.cursor().opened(row, asked, options.cursor_lease);
                 }
                 Opened::Not(row) => {
-                    let taken = self.cursor().not_opened(&at, row, asked, options.lease);
+                    let taken = self
+                        .cursor()
+                        .not_opened(&at, row, asked, options.cursor_lease);
                     self.say(&taken);
                     if !matches!(taken, Taken::Moved { .. }) {
                         return Ok(None);
@@ -122,7 +126,7 @@ impl Log {
     }
 
     /// Says what a take or a tick open found, where it is news.
-    fn say(&self, taken: &Taken) {
+    pub(super) fn say(&self, taken: &Taken) {
         match taken {
             Taken::Anew { token, tick } => {
                 tracing::info!(table = %self.name, token, tick, "took the log's cursor");
@@ -162,7 +166,7 @@ impl Log {
                         at.row.ceiling,
                         at.row.page_attempts,
                         &[],
-                        options.lease,
+                        options.cursor_lease,
                     )
                     .await?;
                 self.cursor().skipped(at, advanced == Advanced::Moved);
@@ -187,7 +191,7 @@ impl Log {
             at.generation,
             guard,
             at.row.page_attempts,
-            options.lease,
+            options.cursor_lease,
             to,
             rows.iter()
                 .map(|r| (r.message.id, r.message.aggregate_key.clone()))

@@ -104,6 +104,11 @@ statement! {
 }
 
 statement! {
+    /// Who holds the cursor's lease, and for how much longer.
+    pub(crate) struct Holder {}
+}
+
+statement! {
     /// Whether anything committed since the last tick.
     pub(crate) struct Committed {
         hi: Text = String,
@@ -121,6 +126,7 @@ pub(crate) struct LogStatements {
     pub(crate) advance: Sql<Advance>,
     pub(crate) hand_over: Sql<HandOver>,
     pub(crate) give_back: Sql<GiveBack>,
+    pub(crate) holder: Sql<Holder>,
     pub(crate) committed: Sql<Committed>,
 }
 
@@ -333,6 +339,11 @@ impl LogStatements {
                 owner = GiveBack::owner,
                 token = GiveBack::token,
             )),
+            // Read by a relay that could not take the cursor, to say whom it waits for.
+            holder: Sql::new(format!(
+                "SELECT owner, greatest(0, floor(extract(epoch FROM lease_until - now()) * 1000000))::bigint \
+                 AS lease_left_us FROM {cursor} WHERE part = 0"
+            )),
             // The relay's look for work while it lingers: as the first matching row of
             // each range in xid order, so that walking the `(xid, id)` index and stopping
             // at the first match is the only sensible plan whatever the statistics say.
@@ -362,6 +373,7 @@ impl crate::sql::Listed for LogStatements {
             advance,
             hand_over,
             give_back,
+            holder,
             committed,
         } = self;
         vec![
@@ -373,6 +385,7 @@ impl crate::sql::Listed for LogStatements {
             advance.named("log advance"),
             hand_over.named_under("log hand_over", LOG_PLAN),
             give_back.named("log give_back"),
+            holder.named("log holder"),
             committed.named("log committed"),
         ]
     }
@@ -421,6 +434,16 @@ impl CursorRow {
             &other.hi,
         )
     }
+}
+
+/// The relay that holds the cursor's lease (`None`: it was given back), and how long
+/// its lease has left unless renewed.
+#[derive(QueryableByName, Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HolderRow {
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) owner: Option<String>,
+    #[diesel(sql_type = BigInt)]
+    pub(crate) lease_left_us: i64,
 }
 
 #[derive(QueryableByName)]
@@ -690,6 +713,20 @@ impl LogTable for PgLog {
                 .await
                 .map_err(|e| self.outbox.db_error(e))?;
             Ok(found.found)
+        })
+    }
+
+    fn holder(&self) -> BoxFuture<'_, Result<Option<HolderRow>>> {
+        Box::pin(async move {
+            let mut conn = crate::checkout(&self.pool).await?;
+            let rows: Vec<HolderRow> = self
+                .sql()
+                .holder
+                .bind(Holder {})
+                .load(&mut conn)
+                .await
+                .map_err(|e| self.outbox.db_error(e))?;
+            Ok(rows.into_iter().next())
         })
     }
 

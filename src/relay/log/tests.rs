@@ -11,12 +11,12 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::page::PageRead;
-use super::statements::{Advanced, CursorRow, Guard, Opened, PageRow};
+use super::statements::{Advanced, CursorRow, Guard, HolderRow, Opened, PageRow};
 use super::{Log, LogTable};
 use crate::error::Result;
 use crate::relay::options::Options;
 use crate::relay::outcome::{MessageColumns, OUTCOME_DEAD, Outcome};
-use crate::relay::store::{End, Finish};
+use crate::relay::store::{Beat, End, Finish, Holder};
 
 #[derive(Debug, Clone)]
 struct Row {
@@ -282,6 +282,17 @@ impl LogTable for Script {
         }
         Box::pin(async { Ok(()) })
     }
+
+    fn holder(&self) -> BoxFuture<'_, Result<Option<HolderRow>>> {
+        let db = self.db();
+        let holder = db.cursor.as_ref().map(|_| HolderRow {
+            owner: db.owner.clone(),
+            lease_left_us: db.lease_until.map_or(0, |at| {
+                i64::try_from(at.saturating_duration_since(Instant::now()).as_micros()).unwrap()
+            }),
+        });
+        Box::pin(async move { Ok(holder) })
+    }
 }
 
 fn log_on(script: &Arc<Script>, owner: &str) -> Arc<Log> {
@@ -403,7 +414,7 @@ async fn a_renewal_that_finds_the_cursor_moved_back_reads_from_there() {
     assert_eq!(script.cursor().after, 2);
     script.db().cursor.as_mut().unwrap().after = 1;
     // Half the lease later the relay renews it, and finds the cursor at 1.
-    tokio::time::advance(options(2).lease / 2).await;
+    tokio::time::advance(options(2).cursor_lease / 2).await;
     let next = page(&log, 2).await;
     assert_eq!(keys(&next), ["b", "c"]);
 }
@@ -416,7 +427,7 @@ async fn a_renewal_older_than_the_relays_own_finish_is_not_believed() {
     script.commit(&[("a", None), ("b", None), ("c", None), ("d", None)]);
     let log = log_on(&script, "relay-1");
     let first = page(&log, 2).await;
-    tokio::time::advance(options(2).lease / 2).await;
+    tokio::time::advance(options(2).cursor_lease / 2).await;
     // The renewal reads the cursor at 0 and answers late; the page's finish (to 2) comes
     // in between.
     script.slow_takes.send_replace(true);
@@ -441,7 +452,7 @@ async fn a_page_out_when_another_relay_takes_over_is_fenced() {
     script.commit(&[("a", None), ("b", None)]);
     let log = log_on(&script, "relay-1");
     let read = page(&log, 10).await;
-    tokio::time::advance(options(10).lease).await;
+    tokio::time::advance(options(10).cursor_lease).await;
     let other = log_on(&script, "relay-2");
     let again = page(&other, 10).await;
     assert_eq!(keys(&again), ["a", "b"]);
@@ -467,7 +478,7 @@ async fn only_the_page_that_did_not_finish_counts_an_attempt() {
     // The tick opens; then two relays die on its first page.
     drop(page(&log, 4).await);
     script.db().cursor.as_mut().unwrap().page_attempts = 2;
-    tokio::time::advance(options(4).lease).await;
+    tokio::time::advance(options(4).cursor_lease).await;
     let log = log_on(&script, "relay-2");
     let first = page(&log, 4).await;
     assert_eq!(keys(&first), ["k00"], "four rows, halved three times");
@@ -492,7 +503,7 @@ async fn a_row_read_alone_too_often_goes_to_the_per_row_side_spent() {
     drop(page(&log, 4).await);
     // Pages failed there `max` times, the last of them counted by the takeover below.
     script.db().cursor.as_mut().unwrap().page_attempts = i32::try_from(max).unwrap() - 1;
-    tokio::time::advance(options(4).lease).await;
+    tokio::time::advance(options(4).cursor_lease).await;
     let log = log_on(&script, "relay-2");
     let read = log
         .next_page(&options(4), 4, Vec::new())
@@ -574,4 +585,56 @@ async fn failures_are_handed_over_and_an_outage_leaves_the_rest_for_later() {
     assert_eq!(script.cursor().after, 2, "c was not published: read again");
     let again = page(&log, 10).await;
     assert_eq!(keys(&again), ["c"]);
+}
+
+/// The heartbeat keeps a live relay's cursor however long it idles, a standby names the
+/// holder and its lease, and the standby takes over one lease after the heartbeats stop.
+#[tokio::test(start_paused = true)]
+async fn a_heartbeat_keeps_the_cursor_and_a_standby_takes_it_once_the_beats_stop() {
+    let script = Script::new();
+    script.commit(&[("a", None)]);
+    let lease = options(10).cursor_lease;
+    let (holder, standby) = (log_on(&script, "relay-1"), log_on(&script, "relay-2"));
+    holder.join();
+    standby.join();
+    assert_eq!(confirm(page(&holder, 10).await).await, 0);
+    // Four leases of beats: the holder keeps it, the standby waits and says for whom.
+    for _ in 0..20 {
+        tokio::time::advance(options(10).heartbeat()).await;
+        assert_eq!(holder.keep(&options(10)).await.unwrap(), Beat::Held);
+        assert_eq!(
+            standby.keep(&options(10)).await.unwrap(),
+            Beat::Waiting(Holder {
+                name: "relay-1".to_owned(),
+                lease_left: lease,
+            })
+        );
+    }
+    // The holder dies: its beats stop. Within a lease the standby takes over.
+    tokio::time::advance(lease - Duration::from_millis(1)).await;
+    assert!(matches!(
+        standby.keep(&options(10)).await.unwrap(),
+        Beat::Waiting(Holder { lease_left, .. }) if lease_left == Duration::from_millis(1)
+    ));
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(standby.keep(&options(10)).await.unwrap(), Beat::Took);
+    script.commit(&[("b", None)]);
+    assert_eq!(keys(&page(&standby, 10).await), ["b"]);
+}
+
+/// A relay whose last run left gave the cursor back; a heartbeat still under way then takes
+/// nothing, so another relay takes over at once.
+#[tokio::test(start_paused = true)]
+async fn no_heartbeat_takes_the_cursor_back_after_the_last_run_gave_it_back() {
+    let script = Script::new();
+    script.commit(&[("a", None)]);
+    let log = log_on(&script, "relay-1");
+    log.join();
+    assert_eq!(log.keep(&options(10)).await.unwrap(), Beat::Took);
+    log.leave().await;
+    assert_eq!(log.keep(&options(10)).await.unwrap(), Beat::Off);
+    assert_eq!(script.db().owner, None);
+    let other = log_on(&script, "relay-2");
+    other.join();
+    assert_eq!(other.keep(&options(10)).await.unwrap(), Beat::Took);
 }
