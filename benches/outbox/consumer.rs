@@ -22,7 +22,9 @@ pub(crate) async fn consumer(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let outbox = env.outbox("consumer_j").await?;
     let effects = format!("{}.effects_j", env.schema);
     env.conn
-        .batch_execute(&format!("CREATE TABLE {effects} (key text NOT NULL)"))
+        .batch_execute(&format!(
+            "DROP TABLE IF EXISTS {effects}; CREATE TABLE {effects} (key text NOT NULL)"
+        ))
         .await?;
     let (exchange, queue) = env.queue("consumer_j").await?;
     let payload = vec![b'x'; KIB];

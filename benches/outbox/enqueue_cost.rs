@@ -32,7 +32,7 @@ pub(crate) async fn enqueue_cost(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let outbox = env.outbox("enqueue_cost").await?;
     env.conn
         .batch_execute(&format!(
-            "CREATE TABLE {schema}.orders_b (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+            "DROP TABLE IF EXISTS {schema}.orders_b; CREATE TABLE {schema}.orders_b (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
              customer text NOT NULL, total int NOT NULL); SET search_path TO {schema}",
             schema = env.schema
         ))

@@ -21,7 +21,7 @@ pub(crate) async fn writers(env: &mut Env) -> BoxResult<Figure> {
     let orders = format!("{}.orders_c", env.schema);
     env.conn
         .batch_execute(&format!(
-            "CREATE TABLE {orders} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, customer text NOT NULL, total int NOT NULL)"
+            "DROP TABLE IF EXISTS {orders}; CREATE TABLE {orders} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, customer text NOT NULL, total int NOT NULL)"
         ))
         .await?;
     let mut rates: HashMap<bool, Vec<f64>> = HashMap::new();
