@@ -82,8 +82,12 @@ pub enum Error {
     #[error("migration failed: {0}")]
     Migration(#[source] BoxError),
 
-    /// A publisher failed in a way that stops the caller (for example at start-up).
-    #[error("publish failed: {0}")]
+    /// A broker failed in a way that stops the caller: at start-up (a publisher's connect,
+    /// a consumer source's) or while declaring a topology. The message is the broker's
+    /// failure itself ("broker unavailable: Kafka at …: …"), naming the broker and the
+    /// cause once; [`source`](std::error::Error::source) is that failure (a
+    /// [`PublishError`](crate::PublishError), where there is one, for its kind).
+    #[error("{0}")]
     Publish(#[source] BoxError),
 }
 
@@ -175,3 +179,50 @@ where
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use std::fmt;
+
+    use super::*;
+    use crate::publisher::PublishError;
+
+    /// An error whose message repeats its source's, as many libraries' do.
+    #[derive(Debug)]
+    struct Wrapping(std::io::Error);
+
+    impl fmt::Display for Wrapping {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "IO error: {}", self.0)
+        }
+    }
+
+    impl StdError for Wrapping {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_brokers_failure_reads_as_what_it_is_with_each_cause_once() {
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused here");
+        let err = Error::Publish(PublishError::unavailable(Wrapping(refused)).into());
+        let text = err.to_string();
+        assert_eq!(text, "broker unavailable: IO error: refused here");
+        assert!(!text.contains("publish failed"), "{text}");
+        // The chain, walked as error reporters do, adds nothing already said.
+        let mut source = err.source();
+        let mut walked = 0;
+        while let Some(cause) = source {
+            assert!(text.contains(&cause.to_string()), "{cause}");
+            walked += 1;
+            source = cause.source();
+        }
+        assert_eq!(
+            walked, 3,
+            "the publish error, the wrapper and the I/O error"
+        );
+        let declared = Error::Publish("NATS at 127.0.0.1:4222: timed out".into());
+        assert_eq!(declared.to_string(), "NATS at 127.0.0.1:4222: timed out");
+    }
+}

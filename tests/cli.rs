@@ -126,11 +126,62 @@ async fn migrate_then_stats_shows_zeros() {
         assert_eq!(stats[field], 0, "{field} in {stats}");
     }
     assert!(stats["lag_seconds"].is_null());
+    assert!(stats["blocked_for_seconds"].is_null(), "{stats}");
     let human = stdout(&cli(&table, &["stats"]));
     assert!(
         human.contains("pending") && human.contains(&table),
         "{human}"
     );
+}
+
+/// A live relay that cannot reach its broker: `stats` shows for how long, as the column
+/// "blocked for" and as `blocked_for_seconds`; a relay whose record has expired counts
+/// for nothing.
+#[tokio::test]
+async fn stats_shows_how_long_a_relay_has_been_blocked() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(stdout(&cli(&table, &["migrate"])).contains("migrated"));
+    let mut conn = schema.connect().await;
+    // The record a relay keeps while its broker is out of reach, 90 s into the outage,
+    // and one of a relay gone long ago.
+    conn.batch_execute(&format!(
+        "INSERT INTO {table}_relays (relay_id, idle, expires_at, blocked_since) VALUES \
+         ('blocked', false, now() + interval '1 hour', now() - interval '90 seconds'), \
+         ('gone', false, now() - interval '1 hour', now() - interval '1 day')"
+    ))
+    .await
+    .unwrap();
+    let stats = json(&cli(&table, &["stats", "--json"]));
+    let blocked = stats["blocked_for_seconds"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no blocked_for_seconds in {stats}"));
+    assert!((90.0..3600.0).contains(&blocked), "{stats}");
+    let human = stdout(&cli(&table, &["stats"]));
+    let header = human.lines().find(|l| l.contains("pending")).unwrap();
+    assert!(header.contains("blocked for"), "{human}");
+    let cell = last_cell(&human, &table);
+    let seconds: f64 = cell.strip_suffix('s').and_then(|c| c.parse().ok()).unwrap();
+    assert!((90.0..3600.0).contains(&seconds), "{cell:?} in {human}");
+
+    conn.batch_execute(&format!(
+        "DELETE FROM {table}_relays WHERE relay_id = 'blocked'"
+    ))
+    .await
+    .unwrap();
+    let stats = json(&cli(&table, &["stats", "--json"]));
+    assert!(stats["blocked_for_seconds"].is_null(), "{stats}");
+    let human = stdout(&cli(&table, &["stats"]));
+    assert_eq!(last_cell(&human, &table), "-", "{human}");
+}
+
+/// The last cell of the row of a printed table that names `key`.
+fn last_cell<'a>(printed: &'a str, key: &str) -> &'a str {
+    let row = printed.lines().find(|l| l.contains(key)).unwrap();
+    row.split(['│', '┆'])
+        .map(str::trim)
+        .rfind(|cell| !cell.is_empty())
+        .unwrap()
 }
 
 #[tokio::test]
@@ -978,7 +1029,7 @@ async fn declare_and_relay_on_kafka() {
     outbox.migrate(&mut conn).await.unwrap();
     let prefix = format!("{}.", common::unique("cli"));
     let topic = format!("{prefix}order.created");
-    for _ in 0..2 {
+    for done in ["created", "found"] {
         let out = Command::new(BIN)
             .args(["declare", "--broker", "kafka", "--topic", &topic])
             .args(["--partitions", "2", "--replication", "1", "--json"])
@@ -988,7 +1039,7 @@ async fn declare_and_relay_on_kafka() {
         let out = json(&out);
         assert_eq!(
             out["declared"][0],
-            format!("topic {topic} (2 partitions)"),
+            format!("topic {topic} ({done} with 2 partitions)"),
             "{out}"
         );
     }
@@ -1032,4 +1083,284 @@ async fn declare_and_relay_on_kafka() {
     .await;
     let status = terminate(&mut relay).await;
     assert!(status.success(), "exit {status:?}");
+}
+
+/// `declare --broker kafka` on a topic that exists with other partitions than asked for
+/// leaves it as it is and says so, in words, in JSON and as a warning; never that it has
+/// the partitions asked for.
+#[cfg(feature = "kafka")]
+#[tokio::test]
+async fn declare_on_kafka_says_what_it_found() {
+    if !common::services::needs(
+        "declare_on_kafka_says_what_it_found",
+        common::kafka::missing(),
+    ) {
+        return;
+    }
+    let brokers = common::kafka::brokers();
+    let topic = format!("{}.order.created", common::unique("cli"));
+    let declare = |partitions: &str, json: bool| {
+        let mut command = Command::new(BIN);
+        command
+            .args(["declare", "--broker", "kafka", "--topic", &topic])
+            .args(["--partitions", partitions, "--replication", "1"])
+            .env("KAFKA_BROKERS", &brokers)
+            .env_remove("RUST_LOG");
+        if json {
+            command.arg("--json");
+        }
+        command.output().unwrap()
+    };
+    let created = stdout(&declare("3", false));
+    assert!(
+        created.contains(&format!("topic {topic} (created with 3 partitions)")),
+        "{created}"
+    );
+    let found = declare("6", false);
+    let said = stdout(&found);
+    assert!(
+        said.contains(&format!(
+            "topic {topic} (found with 3 partitions, not the 6 asked for)"
+        )),
+        "{said}"
+    );
+    assert!(!said.contains("(6 partitions)"), "{said}");
+    let warned = String::from_utf8_lossy(&found.stderr);
+    assert!(
+        warned.contains("WARN") && warned.contains("other partitions than asked for"),
+        "{warned}"
+    );
+    let out = json(&declare("6", true));
+    assert_eq!(
+        out["topics"][0],
+        serde_json::json!({
+            "name": topic,
+            "partitions": 3,
+            "partitions_asked": 6,
+            "created": false,
+        }),
+        "{out}"
+    );
+}
+
+/// Reads a child's stderr line by line as it is written; the lines so far are in the
+/// returned list.
+fn lines_of(child: &mut std::process::Child) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+    let stderr = child.stderr.take().expect("stderr piped");
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let written = lines.clone();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)) {
+            let Ok(line) = line else { break };
+            written.lock().unwrap().push(line);
+        }
+    });
+    lines
+}
+
+/// The relay's start is logged with each option as a field of its own: with
+/// `--log-format json`, keys of their own beside the message, not one `Options { … }`
+/// string.
+#[tokio::test]
+async fn the_relay_logs_its_options_as_fields_of_their_own() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(stdout(&cli(&table, &["migrate"])).contains("migrated"));
+    let broker = TestBroker::new("#").await;
+    let mut relay = Command::new(BIN)
+        .args(["--table", &table, "--log-format", "json", "relay"])
+        .args(["--exchange", &broker.exchange])
+        .args([
+            "--batch-size",
+            "7",
+            "--poll-interval",
+            "150ms",
+            "--lease",
+            "4s",
+        ])
+        .args(["--retention", "off"])
+        .env("DATABASE_URL", database_url())
+        .env("AMQP_URL", amqp_url())
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(&mut relay);
+    let started = eventually(Duration::from_secs(30), "the relay's start logged", || {
+        let found = lines
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|l| l.contains("relay started"))
+            .cloned();
+        async move { found }
+    })
+    .await;
+    let status = terminate(&mut relay).await;
+    assert!(status.success(), "exit {status:?}");
+    let line: serde_json::Value = serde_json::from_str(&started).expect("a JSON line");
+    let fields = &line["fields"];
+    assert_eq!(fields["message"], "relay started", "{line}");
+    assert_eq!(fields["table"], table.as_str(), "{line}");
+    assert_eq!(fields["batch_size"], 7, "{line}");
+    assert_eq!(fields["poll_interval"], "150ms", "{line}");
+    assert_eq!(fields["lease"], "4s", "{line}");
+    assert_eq!(fields["drain_timeout"], "2s", "fitted to the lease: {line}");
+    assert_eq!(fields["retention"], "off", "{line}");
+    assert_eq!(fields["inbox_retention"], "2592000s", "{line}");
+    for key in [
+        "relay",
+        "concurrency",
+        "max_attempts",
+        "backoff_min",
+        "backoff_max",
+        "listen",
+        "max_batch_bytes",
+    ] {
+        assert!(fields.get(key).is_some(), "no {key} in {line}");
+    }
+    assert!(fields.get("options").is_none(), "{line}");
+    assert!(!started.contains("Options {"), "{started}");
+}
+
+/// Another broker's address where the broker chosen (RabbitMQ unless `--broker` says
+/// otherwise) expects its own: a usage error that says `--broker` picks the broker, before
+/// any connection (the database here cannot be reached), never showing the address.
+#[test]
+fn another_brokers_address_hints_at_the_broker_flag() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut command = Command::new(BIN);
+        command
+            .args(args)
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/test")
+            .env_remove("AMQP_URL")
+            .env_remove("NATS_URL")
+            .env_remove("KAFKA_BROKERS")
+            .env_remove("OUTBOX_BROKER");
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let out = command.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let relay = ["relay", "--exchange", "events", "--connect-timeout", "30s"];
+    let declare_rabbit = ["declare", "--exchange", "events"];
+    for (args, env, hint) in [
+        // A Kafka address as the RabbitMQ URL, from a flag or the environment.
+        (
+            [&relay[..], &["--amqp-url", "127.0.0.1:9092"]].concat(),
+            &[][..],
+            "--broker kafka",
+        ),
+        (
+            relay.to_vec(),
+            &[("AMQP_URL", "kafka://127.0.0.1:9092")][..],
+            "--broker kafka",
+        ),
+        (
+            [
+                &declare_rabbit[..],
+                &["--amqp-url", "kafka://k1:9092,k2:9092"],
+            ]
+            .concat(),
+            &[],
+            "--broker kafka",
+        ),
+        // Kafka's brokers given, and no RabbitMQ URL.
+        (
+            [&relay[..], &["--kafka-brokers", "127.0.0.1:9092"]].concat(),
+            &[],
+            "--broker kafka",
+        ),
+        // A NATS URL as the RabbitMQ URL, and NATS's given without one.
+        (
+            [&relay[..], &["--amqp-url", "nats://127.0.0.1:4222"]].concat(),
+            &[],
+            "--broker nats",
+        ),
+        (
+            relay.to_vec(),
+            &[("NATS_URL", "nats://127.0.0.1:4222")][..],
+            "--broker nats",
+        ),
+        // A RabbitMQ URL where NATS or Kafka expects its own.
+        (
+            vec![
+                "declare",
+                "--broker",
+                "nats",
+                "--stream",
+                "S",
+                "--subject-prefix",
+                "s.",
+                "--nats-url",
+                "amqp://guest:hunter2@127.0.0.1:5672/%2f",
+            ],
+            &[],
+            "--broker rabbitmq",
+        ),
+        (
+            vec!["relay", "--broker", "kafka", "--connect-timeout", "30s"],
+            &[("KAFKA_BROKERS", "amqps://guest:hunter2@127.0.0.1:5671")][..],
+            "--broker rabbitmq",
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let (code, err) = run(&args, env);
+        assert_eq!(code, Some(2), "{args:?} {env:?}: {err}");
+        assert!(err.contains(hint), "{args:?} {env:?}: {err}");
+        for shown in ["hunter2", "9092", "4222", "5672"] {
+            assert!(
+                !err.contains(shown),
+                "{args:?} {env:?} shows {shown}: {err}"
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{args:?} waited for the database"
+        );
+    }
+}
+
+/// A broker out of reach, at the relay's start and in `declare`: the error names the broker
+/// and its cause once, never "publish failed", and exits 3.
+#[tokio::test]
+async fn a_broker_out_of_reach_is_named_with_its_cause_once() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(stdout(&cli(&table, &["migrate"])).contains("migrated"));
+    let refused = "amqp://guest:guest@127.0.0.1:1/%2f";
+    for command in [
+        &["--table", &table, "relay", "--exchange", "events"][..],
+        &["declare", "--exchange", "events"],
+    ] {
+        let out = Command::new(BIN)
+            .args(command)
+            .env("DATABASE_URL", database_url())
+            .env("AMQP_URL", refused)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{command:?}: {stderr}");
+        let error = stderr
+            .lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("{command:?}: no error line in {stderr}"));
+        assert!(
+            error.contains("RabbitMQ at 127.0.0.1:1"),
+            "{command:?}: {error}"
+        );
+        assert_eq!(
+            error.to_lowercase().matches("connection refused").count(),
+            1,
+            "{command:?}: {error}"
+        );
+        assert!(!error.contains("publish failed"), "{command:?}: {error}");
+        assert!(!stderr.contains("guest:guest"), "{command:?}: {stderr}");
+    }
 }

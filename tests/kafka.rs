@@ -220,3 +220,47 @@ async fn a_missing_topic_fails_the_runner_at_start_and_stays_missing() {
     .unwrap();
     assert!(!listed.contains(&missing), "the look created {missing}");
 }
+
+/// `Topology::declare` says what it did with each topic, in the order given: a new one is
+/// created with the partitions asked for, one that exists is left as it is and reported
+/// with the partitions it has, also when they are not those asked for.
+#[tokio::test]
+async fn declare_reports_each_topic_as_created_or_found_with_its_partitions() {
+    if skipped("declare_reports_each_topic_as_created_or_found_with_its_partitions") {
+        return;
+    }
+    use diesel_outbox::kafka::DeclaredTopic;
+    let (_, existing) = topic(&brokers(), "existing", 3).await;
+    let fresh = format!("{}.fresh", unique("outbox_kafka"));
+    let declared = Topology::new()
+        .topic(&fresh, 2)
+        .topic(&existing, 6)
+        .replication(1)
+        .declare(&brokers())
+        .await
+        .unwrap();
+    let seen: Vec<(&str, u32, u32, bool)> = declared
+        .iter()
+        .map(|t: &DeclaredTopic| (t.name.as_str(), t.partitions, t.asked, t.created))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (fresh.as_str(), 2, 2, true),
+            (existing.as_str(), 3, 6, false)
+        ]
+    );
+    assert!(declared[0].as_asked() && !declared[1].as_asked());
+    // Again: both found, each with the partitions it has.
+    let again = Topology::new()
+        .topic(&fresh, 2)
+        .topic(&existing, 3)
+        .declare(&brokers())
+        .await
+        .unwrap();
+    assert!(
+        again.iter().all(|t| !t.created && t.as_asked()),
+        "{again:?}"
+    );
+    assert_eq!(again[1].partitions, 3);
+}

@@ -953,3 +953,77 @@ async fn the_binary_relays_to_kafka_over_tls() {
     );
     assert!(!log.contains("hunter2"), "the password in the logs");
 }
+
+/// A Kafka listener whose certificate names another host than the one connected to:
+/// `Topology::declare`, and the binary's `declare` and `relay` with the same flags, each
+/// fail naming the cause librdkafka reported (the certificate failed verification) and the
+/// broker, within the probe's 10 s rather than after the admin request's 30 s; the binary
+/// says the cause once, exits 3, and its message does not call a declare a publish.
+#[tokio::test]
+async fn kafka_declare_names_a_certificate_for_another_host() {
+    if !common::services::needs(
+        "kafka_declare_names_a_certificate_for_another_host",
+        common::kafka::Tansu::missing(),
+    ) {
+        return;
+    }
+    use diesel_outbox::kafka::Topology;
+    let kafka = common::kafka::TlsTansu::start_for(&[], &["elsewhere.example"]);
+    let topic = common::unique("tls_name");
+    let started = std::time::Instant::now();
+    let err = Topology::new()
+        .topic(&topic, 1)
+        .tls(diesel_outbox::Tls::new().ca_file(&kafka.ca))
+        .declare(&kafka.brokers)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("certificate verify failed") && err.contains(&kafka.brokers),
+        "{err}"
+    );
+    assert!(!err.contains("no answer within"), "{err}");
+    assert!(!err.starts_with("publish failed"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(kafka.failed_handshakes() > 0);
+
+    let schema = common::TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    outbox.migrate(&mut schema.connect().await).await.unwrap();
+    let ca = kafka.ca.to_str().unwrap();
+    let flags = ["--kafka-brokers", &kafka.brokers, "--kafka-tls-ca", ca];
+    for command in [
+        &["declare", "--broker", "kafka", "--topic", &topic][..],
+        &["--table", &table, "relay", "--broker", "kafka"],
+    ] {
+        let out = Command::new(BIN)
+            .args(command)
+            .args(flags)
+            .env("DATABASE_URL", common::database_url())
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{command:?}: {stderr}");
+        let error = stderr
+            .lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("{command:?}: no error line in {stderr}"));
+        assert_eq!(
+            error.matches("certificate verify failed").count(),
+            1,
+            "{command:?}: {error}"
+        );
+        assert!(error.contains(&kafka.brokers), "{command:?}: {error}");
+        assert!(!error.contains("no answer within"), "{command:?}: {error}");
+        assert!(
+            !error.starts_with("error: publish failed"),
+            "{command:?}: {error}"
+        );
+    }
+}

@@ -168,13 +168,9 @@ impl fmt::Display for PublishError {
             Kind::Permanent => "permanent publish failure",
             Kind::Unavailable => "broker unavailable",
         };
-        write!(f, "{kind}: {}", self.source)?;
-        let mut source = self.source.source();
-        while let Some(inner) = source {
-            write!(f, ": {inner}")?;
-            source = inner.source();
-        }
-        Ok(())
+        // The causes below the source, each said once: a source's message often repeats
+        // its own source's already.
+        write!(f, "{kind}: {}", crate::connect::chain(&*self.source))
     }
 }
 

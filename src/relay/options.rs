@@ -52,7 +52,41 @@ impl Default for Options {
 
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// A retention as a log field: its duration, or `off`.
+struct Kept(Option<Duration>);
+
+impl std::fmt::Display for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(age) => write!(f, "{age:?}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
 impl Options {
+    /// Logs the start of relay `relay` on `table` with each option as a field of its own
+    /// (`batch_size=100 lease=30s …`, or keys of their own in JSON logs).
+    pub(crate) fn log_started(&self, table: &str, relay: &str) {
+        tracing::info!(
+            table = %table,
+            relay = %relay,
+            batch_size = self.batch_size,
+            concurrency = self.concurrency,
+            lease = ?self.lease,
+            poll_interval = ?self.poll_interval,
+            max_attempts = self.max_attempts,
+            backoff_min = ?self.backoff_min,
+            backoff_max = ?self.backoff_max,
+            drain_timeout = ?self.drain_timeout,
+            listen = self.listen,
+            retention = %Kept(self.retention),
+            inbox_retention = %Kept(self.inbox_retention),
+            max_batch_bytes = self.max_batch_bytes,
+            "relay started"
+        );
+    }
+
     /// The longest a publish may take: half the lease.
     pub(crate) fn publish_bound(&self) -> Duration {
         self.lease / 2

@@ -120,7 +120,7 @@ impl<P: Publisher> Relay<P> {
             wake: Arc::new(Wake::new(inner.listening.clone())),
             stalled: Arc::new(AtomicUsize::new(0)),
         };
-        tracing::info!(table = %table, relay = %run.id, options = ?inner.options, "relay started");
+        inner.options.log_started(&table, &run.id);
         let _running = inner.vitals.running();
         inner.store.join();
         let pool = inner.store.pool();

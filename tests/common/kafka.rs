@@ -221,12 +221,18 @@ impl TlsTansu {
 
     /// Starts both; `args` go to Tansu (`--authentication`, say).
     pub fn start(args: &[&str]) -> TlsTansu {
+        TlsTansu::start_for(args, &["localhost", "127.0.0.1"])
+    }
+
+    /// As [`TlsTansu::start`], with the listener's certificate for `names` (DNS names or
+    /// IP addresses) rather than those the clients connect to.
+    pub fn start_for(args: &[&str], names: &[&str]) -> TlsTansu {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let dir = std::env::temp_dir().join(super::unique("outbox_tls_kafka"));
         std::fs::create_dir_all(&dir).unwrap();
         let ca = super::tls::Ca::new("diesel-outbox test CA");
-        let server = ca.server(&["localhost", "127.0.0.1"]);
+        let server = ca.server(names);
         let ca_file = super::tls::write(&dir, "ca.pem", &ca.cert());
         let certs = CertificateDer::pem_slice_iter(server.cert.as_bytes())
             .collect::<Result<Vec<_>, _>>()

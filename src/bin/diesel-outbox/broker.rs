@@ -227,31 +227,124 @@ impl BrokerArgs {
 }
 
 impl BrokerArgs {
-    /// The RabbitMQ URL, or a usage error saying how to give one.
+    /// The RabbitMQ URL, or a usage error saying how to give one (and, for an address of
+    /// another broker, that `--broker` picks the broker).
     pub(crate) fn amqp_url(&self) -> Result<&Secret, Failure> {
-        self.amqp_url.as_ref().ok_or_else(|| {
-            Failure::new(
+        let Some(url) = self.amqp_url.as_ref() else {
+            return Err(Failure::new(
                 USAGE,
-                "RabbitMQ needs --amqp-url (or AMQP_URL, --amqp-url-file, AMQP_URL_FILE)",
-            )
-        })
+                format!(
+                    "RabbitMQ needs --amqp-url (or AMQP_URL, --amqp-url-file, \
+                     AMQP_URL_FILE){}",
+                    self.other_broker_given()
+                ),
+            ));
+        };
+        let scheme = scheme(url.expose());
+        if matches!(scheme.as_deref(), Some("amqp" | "amqps")) {
+            return Ok(url);
+        }
+        let (looks, flags) = match scheme.as_deref() {
+            Some("kafka") => ("a Kafka address", "--broker kafka with --kafka-brokers"),
+            None if host_and_ports(url.expose()) => {
+                ("a Kafka address", "--broker kafka with --kafka-brokers")
+            }
+            Some("nats" | "tls") => ("a NATS URL", "--broker nats with --nats-url"),
+            _ => return Ok(url),
+        };
+        Err(Failure::new(
+            USAGE,
+            format!(
+                "the RabbitMQ URL (--amqp-url or AMQP_URL; not shown) is not amqp:// or \
+                 amqps://: it looks like {looks}. The broker is RabbitMQ unless --broker \
+                 (or OUTBOX_BROKER) says otherwise: for another one pass {flags}"
+            ),
+        ))
     }
 
-    /// The NATS URL, or a usage error saying how to give one.
+    /// The NATS URL, or a usage error saying how to give one (and, for a URL of another
+    /// broker, that `--broker` picks the broker).
     pub(crate) fn nats_url(&self) -> Result<&Secret, Failure> {
-        self.nats_url.as_ref().ok_or_else(|| {
-            Failure::new(
+        let Some(url) = self.nats_url.as_ref() else {
+            return Err(Failure::new(
                 USAGE,
                 "NATS needs --nats-url (or NATS_URL, --nats-url-file, NATS_URL_FILE)",
-            )
-        })
+            ));
+        };
+        let (looks, flags) = match scheme(url.expose()).as_deref() {
+            Some("amqp" | "amqps") => ("a RabbitMQ URL", "--broker rabbitmq with --amqp-url"),
+            Some("kafka") => ("a Kafka address", "--broker kafka with --kafka-brokers"),
+            _ => return Ok(url),
+        };
+        Err(Failure::new(
+            USAGE,
+            format!(
+                "the NATS URL (--nats-url or NATS_URL; not shown) looks like {looks}: for \
+                 that broker pass {flags}"
+            ),
+        ))
     }
 
-    /// Kafka's bootstrap servers, or a usage error saying how to give them.
+    /// Kafka's bootstrap servers, or a usage error saying how to give them (and, for a URL
+    /// of another broker, that `--broker` picks the broker).
     pub(crate) fn kafka_brokers(&self) -> Result<&str, Failure> {
-        self.kafka_brokers
-            .as_deref()
-            .ok_or_else(|| Failure::new(USAGE, "Kafka needs --kafka-brokers (or KAFKA_BROKERS)"))
+        let Some(brokers) = self.kafka_brokers.as_deref() else {
+            return Err(Failure::new(
+                USAGE,
+                "Kafka needs --kafka-brokers (or KAFKA_BROKERS)",
+            ));
+        };
+        let (looks, flags) = match scheme(brokers).as_deref() {
+            Some("amqp" | "amqps") => ("a RabbitMQ URL", "--broker rabbitmq with --amqp-url"),
+            Some("nats" | "tls") => ("a NATS URL", "--broker nats with --nats-url"),
+            Some("kafka") => {
+                return Err(Failure::new(
+                    USAGE,
+                    "Kafka's brokers (--kafka-brokers or KAFKA_BROKERS; not shown) must be \
+                     `host:port` separated by commas, without a kafka:// scheme",
+                ));
+            }
+            _ => return Ok(brokers),
+        };
+        Err(Failure::new(
+            USAGE,
+            format!(
+                "Kafka's brokers (--kafka-brokers or KAFKA_BROKERS; not shown) must be \
+                 `host:port` separated by commas, and look like {looks}: for that broker \
+                 pass {flags}"
+            ),
+        ))
+    }
+
+    /// Checks that the broker chosen has the address it needs, and that the address is
+    /// that broker's, before anything connects.
+    pub(crate) fn check(&self) -> Result<(), Failure> {
+        match self.broker {
+            Broker::Rabbitmq => self.amqp_url().map(drop),
+            Broker::Nats => self.nats_url().map(drop),
+            Broker::Kafka => self.kafka_brokers().map(drop),
+        }
+    }
+
+    /// For RabbitMQ given no URL: the other brokers' addresses that are given, as a hint
+    /// that `--broker` was forgotten (or nothing).
+    fn other_broker_given(&self) -> String {
+        let mut given = Vec::new();
+        if self.kafka_brokers.is_some() {
+            given.push("--kafka-brokers is given: for Kafka pass --broker kafka");
+        }
+        if self.nats_url.is_some() {
+            given.push("--nats-url is given: for NATS pass --broker nats");
+        }
+        if given.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ". The broker is RabbitMQ unless --broker (or OUTBOX_BROKER) says otherwise; \
+                 {}",
+                given.join("; ")
+            )
+        }
     }
 
     /// RabbitMQ's TLS settings, if any file is given.
@@ -302,6 +395,28 @@ impl BrokerArgs {
         let password = self.nats_password.as_ref().map_or("", Secret::expose);
         Some(Credentials::user_and_password(user, password))
     }
+}
+
+/// The scheme of `url` in lower case (`amqp` of `amqp://…`), or `None` when it has none
+/// (as `host:port`). Never more of the URL than that.
+fn scheme(url: &str) -> Option<String> {
+    let (scheme, _) = url.trim().split_once("://")?;
+    let plain = !scheme.is_empty()
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    plain.then(|| scheme.to_ascii_lowercase())
+}
+
+/// True when `value` is `host:port`, or several separated by commas (a Kafka broker list).
+fn host_and_ports(value: &str) -> bool {
+    value.split(',').map(str::trim).all(|entry| {
+        entry.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty()
+                && !host.contains(['/', '@', '?'])
+                && port.parse::<u16>().is_ok_and(|p| p > 0)
+        })
+    })
 }
 
 /// TLS settings from a CA file and a client certificate, if either is given.
@@ -358,6 +473,8 @@ pub(crate) struct DeclareArgs {
 /// Declares the topology on the broker, idempotently.
 pub(crate) async fn declare(args: DeclareArgs, out: &mut Output<'_>) -> Result<(), Failure> {
     let b = &args.broker;
+    b.check()?;
+    let mut kafka_topics = None;
     let declared = match b.broker {
         Broker::Rabbitmq => {
             let Some(exchange) = &args.exchange else {
@@ -428,14 +545,43 @@ pub(crate) async fn declare(args: DeclareArgs, out: &mut Output<'_>) -> Result<(
             if let Some(sasl) = b.kafka_sasl() {
                 topology = topology.sasl(sasl);
             }
-            topology.declare(b.kafka_brokers()?).await?;
-            args.topic
-                .iter()
-                .map(|t| format!("topic {t} ({} partitions)", args.partitions))
-                .collect()
+            let topics = topology.declare(b.kafka_brokers()?).await?;
+            let names = topics.iter().map(described).collect();
+            kafka_topics = Some(
+                topics
+                    .iter()
+                    .map(|t| {
+                        serde_json::json!({
+                            "name": t.name,
+                            "partitions": t.partitions,
+                            "partitions_asked": t.asked,
+                            "created": t.created,
+                        })
+                    })
+                    .collect::<Vec<_>>(),
+            );
+            names
         }
     };
-    out.print(serde_json::json!({ "declared": declared }), || {
+    let mut json = serde_json::json!({ "declared": declared });
+    if let Some(topics) = kafka_topics {
+        json["topics"] = topics.into();
+    }
+    out.print(json, || {
         format!("declared (or found as they were): {}", declared.join(", "))
     })
+}
+
+/// What `declare` did with a Kafka topic, in words: created, found as asked, or found with
+/// other partitions (which it leaves as they are).
+fn described(topic: &kafka::DeclaredTopic) -> String {
+    let name = &topic.name;
+    let (has, asked) = (topic.partitions, topic.asked);
+    if topic.created {
+        format!("topic {name} (created with {has} partitions)")
+    } else if topic.as_asked() {
+        format!("topic {name} (found with {has} partitions)")
+    } else {
+        format!("topic {name} (found with {has} partitions, not the {asked} asked for)")
+    }
 }

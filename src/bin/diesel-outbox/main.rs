@@ -155,8 +155,24 @@ impl From<Error> for Failure {
             e if e.is_invalid_input() => USAGE,
             _ => 1,
         };
-        Failure::new(code, err.to_string())
+        Failure::new(code, said_once(&err))
     }
+}
+
+/// An error and the causes below it, `: `-separated, each said once: a message often
+/// repeats its source's already, and then the source adds nothing.
+fn said_once(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 fn main() -> ExitCode {
@@ -381,6 +397,40 @@ mod tests {
                 started.elapsed()
             );
         }
+    }
+
+    /// A broker's failure is printed as what it is, each cause once, whether the message
+    /// of an error repeats its source's or not.
+    #[test]
+    fn a_failure_says_each_cause_once() {
+        #[derive(Debug)]
+        struct Silent(std::io::Error);
+        impl std::fmt::Display for Silent {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("RabbitMQ at 127.0.0.1:1")
+            }
+        }
+        impl std::error::Error for Silent {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let refused = || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let err =
+            Error::Publish(diesel_outbox::PublishError::unavailable(Silent(refused())).into());
+        let mut printed = Vec::new();
+        let code = report(Err(err.into()), &Secrets::default(), &mut printed);
+        let printed = String::from_utf8(printed).unwrap();
+        assert_eq!(code, CONNECTION);
+        assert_eq!(
+            printed,
+            "error: broker unavailable: RabbitMQ at 127.0.0.1:1: refused\n"
+        );
+        let pool = Error::Pool(Box::new(Silent(refused())));
+        assert_eq!(
+            said_once(&pool),
+            "connection pool error: RabbitMQ at 127.0.0.1:1: refused"
+        );
     }
 
     #[test]

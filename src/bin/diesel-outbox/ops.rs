@@ -96,6 +96,7 @@ async fn stats_once(
 ) -> Result<(), Failure> {
     let s = outbox.stats(conn).await?;
     let lag = s.oldest_pending.map(|d| d.as_secs_f64());
+    let blocked = s.blocked_for.map(|d| d.as_secs_f64());
     out.print(
         json!({
             "table": outbox.table(),
@@ -105,6 +106,7 @@ async fn stats_once(
             "sent_is_estimate": s.sent_is_estimate,
             "dead": s.dead,
             "lag_seconds": lag,
+            "blocked_for_seconds": blocked,
         }),
         || {
             let mut table = Table::new();
@@ -115,6 +117,7 @@ async fn stats_once(
                 "sent",
                 "dead",
                 "lag",
+                "blocked for",
             ]);
             let sent = if s.sent_is_estimate {
                 format!("~{}", s.sent)
@@ -128,6 +131,7 @@ async fn stats_once(
                 sent,
                 s.dead.to_string(),
                 lag.map_or("-".to_owned(), |l| format!("{l:.1}s")),
+                blocked.map_or("-".to_owned(), |b| format!("{b:.1}s")),
             ]);
             table.to_string()
         },

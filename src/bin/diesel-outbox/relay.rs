@@ -102,6 +102,9 @@ pub(crate) async fn run(
     // Installed before anything else, so a signal during start-up stops the process cleanly
     // too (rather than killing it).
     let shutdown = shutdown_signal().shared();
+    // A missing or mistaken broker address is a usage error, said before the database is
+    // waited for.
+    args.broker.check()?;
     let health = crate::serve::HealthSource::default();
     if let Some(addr) = args.metrics_addr {
         crate::serve::serve(addr, health.clone()).await?;

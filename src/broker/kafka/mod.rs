@@ -56,7 +56,7 @@
 //!
 //! Inside: `properties` (a record as a Kafka message, and what a Kafka error says),
 //! `pipeline` (a batch produced at once, its delivery reports matched to records),
-//! `topology` (topics created with their partitions).
+//! `topology` (topics created with their partitions, or found with theirs).
 
 mod connection;
 mod pipeline;
@@ -75,7 +75,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 pub use self::connection::Sasl;
 pub(crate) use self::connection::{Observed, Security};
 pub use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
-pub use self::topology::Topology;
+pub use self::topology::{DeclaredTopic, Topology};
 use crate::error::{Error, Result};
 use crate::publisher::PublishError;
 use crate::tls::Tls;

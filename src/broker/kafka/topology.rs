@@ -5,9 +5,10 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::producer::Producer;
 
 use super::properties::check_topic;
-use super::{Observed, Sasl, Security, brokers};
+use super::{Observed, Sasl, Security, brokers, producer, reachable};
 use crate::error::{Error, Result};
 use crate::publisher::PublishError;
 use crate::tls::Tls;
@@ -15,21 +16,55 @@ use crate::tls::Tls;
 /// How long declaring may take.
 const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a broker has to answer before anything is declared: a cluster out of reach
+/// (refused, a certificate that does not verify, a refused login) fails within it, with
+/// the cause librdkafka reported.
+const PROBE_TIMEOUT: Duration = crate::defaults::DELIVERY_TIMEOUT;
+
+/// A topic as [`Topology::declare`] left it: created, or found as it was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeclaredTopic {
+    /// The topic's name.
+    pub name: String,
+    /// The partitions it has: those asked for when it was created, else those it was
+    /// found with.
+    pub partitions: u32,
+    /// The partitions asked for.
+    pub asked: u32,
+    /// True when this call created it; false when it existed already (and was left as it
+    /// is).
+    pub created: bool,
+}
+
+impl DeclaredTopic {
+    /// True when the topic has the partitions asked for.
+    pub fn as_asked(&self) -> bool {
+        self.partitions == self.asked
+    }
+}
+
 /// The topics a relay produces to, declared in one call, each with its number of
 /// partitions (one aggregate's messages stay in one partition, so more partitions spread
 /// aggregates, never split one).
 ///
-/// Declaring is idempotent: a topic that exists is left as it is, whatever its partitions.
+/// Declaring is idempotent: a topic that exists is left as it is, whatever its partitions;
+/// what [`Topology::declare`] returns says, for each topic, whether it was created and how
+/// many partitions it has (a warning is logged for one found with other partitions than
+/// asked for).
 ///
 /// ```no_run
 /// use diesel_outbox::kafka::Topology;
 ///
 /// # async fn run() -> Result<(), diesel_outbox::Error> {
-/// Topology::new()
+/// let declared = Topology::new()
 ///     .topic("outbox.order.created", 6)
 ///     .topic("outbox.order.paid", 6)
 ///     .declare("127.0.0.1:9092")
 ///     .await?;
+/// for topic in declared.iter().filter(|t| !t.as_asked()) {
+///     eprintln!("{} has {} partitions, not {}", topic.name, topic.partitions, topic.asked);
+/// }
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Default)]
@@ -73,14 +108,19 @@ impl Topology {
         self
     }
 
-    /// Creates every topic that does not exist yet.
+    /// Creates every topic that does not exist yet, and says for each topic (in the order
+    /// given) whether it was created and how many partitions it has.
+    ///
+    /// A broker must answer a metadata request first, within 10 s: a cluster out of reach
+    /// fails then, naming the cause librdkafka reported (a refused connection, a
+    /// certificate that failed verification, a refused login).
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for a broker list that is not `host:port[,…]`, a topic name
     /// Kafka refuses, zero partitions or replicas, a TLS file that cannot be read or an
     /// empty SASL user (nothing is created then); [`Error::Publish`] when no broker answers
-    /// or the cluster refuses a topic (naming it and why).
-    pub async fn declare(&self, brokers_list: &str) -> Result<()> {
+    /// (naming the cause) or the cluster refuses a topic (naming it and why).
+    pub async fn declare(&self, brokers_list: &str) -> Result<Vec<DeclaredTopic>> {
         let endpoint = brokers(brokers_list).map_err(Error::InvalidOption)?;
         for (name, partitions) in &self.topics {
             check_topic(name).map_err(Error::InvalidOption)?;
@@ -99,11 +139,18 @@ impl Topology {
         let mut config = ClientConfig::new();
         config
             .set("bootstrap.servers", &endpoint)
-            .set("client.id", "diesel-outbox declare");
+            .set("client.id", "diesel-outbox declare")
+            // Looking at a topic must not create it.
+            .set("allow.auto.create.topics", "false");
         self.security
             .apply(&mut config)
             .map_err(Error::InvalidOption)?;
         let observed = Observed::default();
+        // The admin client never reports its connections' errors; a producer (which polls
+        // for them) asks first, as the publisher's connect does, so that a broker out of
+        // reach fails with its cause rather than the admin request's timeout.
+        let looking = producer(&config, PROBE_TIMEOUT, &observed).map_err(Error::InvalidOption)?;
+        reachable(&looking, &observed, &endpoint, PROBE_TIMEOUT).await?;
         let admin: AdminClient<Observed> = config
             .create_with_context(observed.clone())
             .map_err(|e| Error::InvalidOption(format!("the Kafka admin client: {e}")))?;
@@ -127,24 +174,83 @@ impl Topology {
                 unavailable(&endpoint, observed.explain(why))
             })?
             .map_err(|e| unavailable(&endpoint, observed.explain(e)))?;
+        let mut found = Vec::new();
         for result in results {
             match result {
                 Ok(name) => {
                     tracing::info!(endpoint = %endpoint, topic = %name, "declared Kafka topic")
                 }
-                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, RDKafkaErrorCode::TopicAlreadyExists)) => found.push(name),
                 Err((name, code)) => {
                     return Err(Error::Publish(
-                        PublishError::transient(format!(
-                            "Kafka at {endpoint} did not create topic {name:?}: {code}"
-                        ))
-                        .into(),
+                        format!("Kafka at {endpoint} did not create topic {name:?}: {code}").into(),
                     ));
                 }
             }
         }
-        Ok(())
+        let existing = partitions_of(&looking, &observed, &endpoint, found).await?;
+        let mut declared = Vec::new();
+        for (name, asked) in &self.topics {
+            let topic = match existing.iter().find(|(n, _)| n == name) {
+                Some((_, partitions)) => DeclaredTopic {
+                    name: name.clone(),
+                    partitions: *partitions,
+                    asked: *asked,
+                    created: false,
+                },
+                None => DeclaredTopic {
+                    name: name.clone(),
+                    partitions: *asked,
+                    asked: *asked,
+                    created: true,
+                },
+            };
+            if !topic.as_asked() {
+                tracing::warn!(
+                    endpoint = %endpoint, topic = %topic.name, partitions = topic.partitions,
+                    asked = topic.asked,
+                    "the Kafka topic exists with other partitions than asked for: left as it is"
+                );
+            }
+            declared.push(topic);
+        }
+        Ok(declared)
     }
+}
+
+/// The partitions of each topic of `names` (topics that exist), from the cluster's
+/// metadata.
+async fn partitions_of(
+    client: &super::KafkaProducer,
+    observed: &Observed,
+    endpoint: &str,
+    names: Vec<String>,
+) -> Result<Vec<(String, u32)>> {
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let asking = client.clone();
+    let asked = tokio::task::spawn_blocking(move || {
+        let mut found = Vec::new();
+        for name in names {
+            let metadata = asking.client().fetch_metadata(Some(&name), PROBE_TIMEOUT)?;
+            let partitions = metadata
+                .topics()
+                .iter()
+                .find(|t| t.name() == name)
+                .map_or(0, |t| t.partitions().len());
+            found.push((name, u32::try_from(partitions).unwrap_or(u32::MAX)));
+        }
+        Ok::<_, rdkafka::error::KafkaError>(found)
+    })
+    .await
+    .map_err(|e| unavailable(endpoint, e.to_string()))?;
+    asked.map_err(|e| {
+        unavailable(
+            endpoint,
+            observed.explain(format!("the partitions of the topics found: {e}")),
+        )
+    })
 }
 
 fn unavailable(endpoint: &str, why: String) -> Error {

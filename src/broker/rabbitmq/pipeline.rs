@@ -100,10 +100,8 @@ impl Pipelined for RabbitMqPublisher {
         );
         publish.await.map_err(|e| {
             // Not written: the channel or the connection is gone.
-            let error = classify(&e, format!("publish failed: {e}"));
-            let rest = error
-                .is_unavailable()
-                .then(|| format!("publish failed: {e}"));
+            let error = classify(&e, format!("not written: {e}"));
+            let rest = error.is_unavailable().then(|| format!("not written: {e}"));
             Unsent { error, rest }
         })
     }
