@@ -74,6 +74,7 @@ impl Options {
             batch_size = self.batch_size,
             concurrency = self.concurrency,
             lease = ?self.lease,
+            cursor_lease = ?self.cursor_lease,
             poll_interval = ?self.poll_interval,
             max_attempts = self.max_attempts,
             backoff_min = ?self.backoff_min,
