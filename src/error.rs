@@ -8,7 +8,9 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// Everything that can go wrong in this crate.
 ///
 /// Messages never contain payloads, URLs or passwords: they name messages by idempotency
-/// key and topic only.
+/// key and topic only. A message says its causes itself, each once, and no variant has a
+/// [`source`](std::error::Error::source): a reporter that walks sources (`anyhow`'s
+/// `{:?}`, say) prints the chain once, not again under "Caused by".
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -71,27 +73,43 @@ pub enum Error {
     },
 
     /// A database error.
-    #[error("database error: {0}")]
-    Database(#[from] diesel::result::Error),
+    #[error("database error: {}", crate::connect::chain(.0))]
+    Database(diesel::result::Error),
 
     /// Checking a connection out of the pool failed.
-    #[error("connection pool error: {0}")]
-    Pool(#[source] BoxError),
+    #[error("connection pool error: {}", crate::connect::chain(&**.0))]
+    Pool(BoxError),
 
     /// Applying the outbox migrations failed.
-    #[error("migration failed: {0}")]
-    Migration(#[source] BoxError),
+    #[error("migration failed: {}", crate::connect::chain(&**.0))]
+    Migration(BoxError),
 
     /// A broker failed in a way that stops the caller: at start-up (a publisher's connect,
     /// a consumer source's) or while declaring a topology. The message is the broker's
     /// failure itself ("broker unavailable: Kafka at …: …"), naming the broker and the
-    /// cause once; [`source`](std::error::Error::source) is that failure (a
-    /// [`PublishError`](crate::PublishError), where there is one, for its kind).
-    #[error("{0}")]
-    Publish(#[source] BoxError),
+    /// cause once; [`Error::publish_error`] gives the
+    /// [`PublishError`](crate::PublishError), where there is one, for its kind.
+    #[error("{}", crate::connect::chain(&**.0))]
+    Publish(BoxError),
+}
+
+impl From<diesel::result::Error> for Error {
+    fn from(e: diesel::result::Error) -> Self {
+        Error::Database(e)
+    }
 }
 
 impl Error {
+    /// The broker's failure behind an [`Error::Publish`], where it is a
+    /// [`PublishError`](crate::PublishError): whether it was an outage, a permanent or a
+    /// transient failure.
+    pub fn publish_error(&self) -> Option<&crate::PublishError> {
+        match self {
+            Error::Publish(e) => e.downcast_ref(),
+            _ => None,
+        }
+    }
+
     /// True for [`Error::DuplicateKey`].
     pub fn is_duplicate_key(&self) -> bool {
         matches!(self, Error::DuplicateKey { .. })
@@ -210,18 +228,12 @@ mod tests {
         let text = err.to_string();
         assert_eq!(text, "broker unavailable: IO error: refused here");
         assert!(!text.contains("publish failed"), "{text}");
-        // The chain, walked as error reporters do, adds nothing already said.
-        let mut source = err.source();
-        let mut walked = 0;
-        while let Some(cause) = source {
-            assert!(text.contains(&cause.to_string()), "{cause}");
-            walked += 1;
-            source = cause.source();
-        }
-        assert_eq!(
-            walked, 3,
-            "the publish error, the wrapper and the I/O error"
-        );
+        // Reporters that walk sources (anyhow's "Caused by") find none to say again.
+        assert!(err.source().is_none());
+        assert!(err.publish_error().is_some_and(|p| p.is_unavailable()));
+        let pool = Error::Pool(Box::new(Wrapping(std::io::Error::other("reset"))));
+        assert_eq!(pool.to_string(), "connection pool error: IO error: reset");
+        assert!(pool.source().is_none());
         let declared = Error::Publish("NATS at 127.0.0.1:4222: timed out".into());
         assert_eq!(declared.to_string(), "NATS at 127.0.0.1:4222: timed out");
     }

@@ -174,11 +174,9 @@ impl fmt::Display for PublishError {
     }
 }
 
-impl std::error::Error for PublishError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.source)
-    }
-}
+/// No [`source`](std::error::Error::source): the message says the causes itself, each
+/// once, so a reporter that walks sources does not print them again.
+impl std::error::Error for PublishError {}
 
 /// Results of a pipelined batch: `(index into the batch, result)`, in any order.
 pub type BatchResults<'a> =
