@@ -1347,10 +1347,7 @@ async fn a_broker_out_of_reach_is_named_with_its_cause_once() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{command:?}: {stderr}");
-        let error = stderr
-            .lines()
-            .find(|l| l.starts_with("error: "))
-            .unwrap_or_else(|| panic!("{command:?}: no error line in {stderr}"));
+        let error = common::error_line(&command, &stderr);
         assert!(
             error.contains("RabbitMQ at 127.0.0.1:1"),
             "{command:?}: {error}"

@@ -1010,10 +1010,7 @@ async fn kafka_declare_names_a_certificate_for_another_host() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{command:?}: {stderr}");
-        let error = stderr
-            .lines()
-            .find(|l| l.starts_with("error: "))
-            .unwrap_or_else(|| panic!("{command:?}: no error line in {stderr}"));
+        let error = common::error_line(&command, &stderr);
         assert_eq!(
             error.matches("certificate verify failed").count(),
             1,

@@ -468,6 +468,15 @@ pub fn spawn_relay<P: diesel_outbox::Publisher>(relay: diesel_outbox::Relay<P>) 
     spawn_until(move |shutdown| async move { relay.run_until(shutdown).await })
 }
 
+/// The one `error: ` line a command printed to `stderr` (panics, naming `command`, without
+/// one).
+pub fn error_line<'a>(command: &dyn std::fmt::Debug, stderr: &'a str) -> &'a str {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("{command:?}: no error line in {stderr}"))
+}
+
 /// Runs a consumer in the background until the returned sender fires (or is dropped).
 pub fn spawn_consumer<S, H>(consumer: diesel_outbox::consumer::Consumer<S, H>) -> RunningRelay
 where
