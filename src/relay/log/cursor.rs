@@ -193,6 +193,28 @@ impl Cursor {
         moved
     }
 
+    /// A heartbeat's take, asked at `asked`, answered `row`. Under this relay's token it
+    /// renews the lease and nothing else: the answer may hold a write of this relay's own
+    /// that committed before the relay's view took it in (a tick opened, a page finished),
+    /// and the relay's own statements, guarded by the cursor's place, find a cursor that
+    /// moved under it. Otherwise it is a take ([`Cursor::taken`]).
+    pub(super) fn kept(
+        &mut self,
+        row: Option<CursorRow>,
+        asked: Instant,
+        lease: Duration,
+        version: u64,
+    ) -> Taken {
+        if let (Some(held), Some(row)) = (self.held.as_mut(), row.as_ref())
+            && held.row.token == row.token
+        {
+            self.retry_at = None;
+            held.renew_at = asked + lease / 2;
+            return Taken::Renewed;
+        }
+        self.taken(row, asked, lease, version)
+    }
+
     /// Where the next page comes from (see [`Next`]).
     pub(super) fn next(&mut self) -> Next {
         let Some(held) = &self.held else {
@@ -479,6 +501,37 @@ mod tests {
             Next::Open(at) => assert_eq!((at.after, at.ceiling), (10, 10)),
             other => panic!("expected an open, got {other:?}"),
         }
+    }
+
+    /// A heartbeat answered with a tick this relay opened, before its view took the open
+    /// in: the lease is renewed, and the view is left to the open (no "moved" cursor).
+    #[test]
+    fn a_heartbeat_renews_without_moving_the_view() {
+        let mut c = Cursor::default();
+        held(&mut c, row(7, 1, 10, 10));
+        let version = c.version();
+        let newer = row(7, 2, 10, 20);
+        assert_eq!(
+            c.kept(Some(newer.clone()), Instant::now(), LEASE, version),
+            Taken::Renewed
+        );
+        match c.next() {
+            Next::Open(at) => assert_eq!((at.tick, at.after), (1, 10), "the view stays"),
+            other => panic!("expected an open, got {other:?}"),
+        }
+        // The same answer to a take would have moved the relay.
+        assert!(matches!(
+            c.taken(Some(newer), Instant::now(), LEASE, version),
+            Taken::Moved { .. }
+        ));
+        // Under another token, a heartbeat's answer is a take.
+        let mut other = Cursor::default();
+        held(&mut other, row(7, 1, 10, 10));
+        let version = other.version();
+        assert!(matches!(
+            other.kept(Some(row(8, 1, 10, 10)), Instant::now(), LEASE, version),
+            Taken::Anew { token: 8, .. }
+        ));
     }
 
     /// The interleaving that made one relay fence itself: the tick's last page finishes

@@ -28,7 +28,7 @@ impl Log {
         let row = self.table.take(&self.owner, options.cursor_lease).await?;
         let taken = self
             .cursor()
-            .taken(row, asked, options.cursor_lease, version);
+            .kept(row, asked, options.cursor_lease, version);
         self.say(&taken);
         match taken {
             Taken::Not => {
