@@ -9,11 +9,11 @@
 //! *effects*.
 //!
 //! ```no_run
-//! use diesel_async::{AsyncConnection, AsyncPgConnection};
+//! use diesel_async::AsyncConnection;
 //! use diesel_outbox::{EnqueueExt, Message, Outbox};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let mut conn = AsyncPgConnection::establish("postgres://postgres@127.0.0.1/test").await?;
+//! let mut conn = diesel_outbox::establish("postgres://postgres@127.0.0.1/test").await?;
 //! Outbox::new().migrate(&mut conn).await?;
 //!
 //! let key = conn
@@ -96,7 +96,7 @@
 //!
 //! # The relay
 //! [`Outbox::relay`] builds a [`Relay`] on a bb8 pool ([`PgPool`]) and a [`Publisher`]
-//! (the RabbitMQ or NATS JetStream one, or your own through [`publisher_fn`]). It claims due rows in batches
+//! (the RabbitMQ, NATS JetStream or Kafka one, or your own through [`publisher_fn`]). It claims due rows in batches
 //! (up to `batch_size` rows and `max_batch_bytes` of payload and headers) under a lease,
 //! publishes them outside any transaction and holding no connection, and records each
 //! batch's outcomes in one statement: sent; retried after a capped exponential backoff with
@@ -164,8 +164,10 @@
 //!   continue it, and publishers send it as the `traceparent`/`tracestate` headers (which
 //!   messages may not set themselves, feature or not).
 //! - `kafka`: the Kafka publisher, `kafka::KafkaPublisher`, and the consumer runner's
-//!   Kafka source, `consumer::kafka::Source` (rdkafka, building the librdkafka it bundles:
-//!   a C compiler, `make` and zlib's headers).
+//!   Kafka source, `consumer::kafka::Source` (rdkafka, building the librdkafka it bundles
+//!   with TLS and SASL: a C compiler, `make`, `pkg-config` and the headers of zlib and
+//!   OpenSSL to build, `build-essential pkg-config zlib1g-dev libssl-dev` on Debian;
+//!   OpenSSL's library to run).
 //! - `cli`: the `diesel-outbox` operator binary (with `rabbitmq`, `nats`, `kafka` and
 //!   `metrics`).
 //!
