@@ -37,6 +37,15 @@ pub const INBOX_RETENTION: Duration = Duration::from_secs(30 * DAY.as_secs());
 /// [`RelayBuilder::max_batch_bytes`](crate::RelayBuilder::max_batch_bytes): 16 MiB.
 pub const MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
 
+/// The upper bounds, in seconds, of the buckets of the durations and lags that
+/// `FacadeMetrics` (feature `metrics`) records (1 ms to 60 s), for an exporter's
+/// histograms: `diesel-outbox relay --metrics-addr` exports them with these unless
+/// `--metrics-buckets` says otherwise; with metrics-exporter-prometheus of your own, pass
+/// them to `PrometheusBuilder::set_buckets`.
+pub const HISTOGRAM_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
 /// [`ConsumerBuilder::concurrency`](crate::consumer::ConsumerBuilder::concurrency).
 pub const CONSUMER_CONCURRENCY: usize = 4;
 /// [`ConsumerBuilder::max_deliveries`](crate::consumer::ConsumerBuilder::max_deliveries).

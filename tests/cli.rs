@@ -857,8 +857,10 @@ async fn the_relay_probes_follow_the_broker_and_the_database() {
     assert!(status.success(), "{status:?}");
 }
 
-#[tokio::test]
-async fn the_relay_serves_its_metrics_to_prometheus() {
+/// Runs a relay process with `--metrics-addr` (and `extra` arguments), has it publish 7
+/// messages, and returns its metrics once they count all 7 (published, their durations and
+/// their lags), and the table's name.
+async fn metrics_after_seven_published(extra: &[&str]) -> (String, String) {
     let schema = TestSchema::new().await;
     let table = schema.table("outbox");
     let outbox = Outbox::builder().table(&table).build().unwrap();
@@ -878,6 +880,7 @@ async fn the_relay_serves_its_metrics_to_prometheus() {
             "--metrics-addr",
             &addr.to_string(),
         ])
+        .args(extra)
         .env("DATABASE_URL", database_url())
         .env("AMQP_URL", amqp_url())
         .stdout(Stdio::null())
@@ -900,20 +903,171 @@ async fn the_relay_serves_its_metrics_to_prometheus() {
     }
     let scraped = eventually(
         Duration::from_secs(30),
-        "outbox_published_total = 7",
+        "7 published, timed and lagged",
         || {
             let body = common::http::get(addr, "/metrics").map(|(_, body)| body);
-            async move { body.filter(|b| metric_sum(b, "outbox_published_total") == 7.0) }
+            async move {
+                body.filter(|b| {
+                    metric_sum(b, "outbox_published_total") == 7.0
+                        && metric_sum(b, "outbox_publish_duration_seconds_count") == 7.0
+                        && metric_sum(b, "outbox_delivery_lag_seconds_count") == 7.0
+                })
+            }
         },
     )
     .await;
+    let status = terminate(&mut relay).await;
+    assert!(status.success(), "exit {status:?}");
+    (scraped, table)
+}
+
+/// Checks the Prometheus text `scraped`: every `outbox_` sample belongs to a family with a
+/// `# TYPE` and a `# HELP` line, and the publish duration and the delivery lag are
+/// histograms whose buckets end at `bounds` (and `+Inf`).
+fn assert_described_histograms(scraped: &str, bounds: &[&str]) {
+    let declared = |what: &str| -> Vec<(String, String)> {
+        scraped
+            .lines()
+            .filter_map(|l| l.strip_prefix(what))
+            .filter_map(|l| l.split_once(' '))
+            .map(|(name, rest)| (name.to_owned(), rest.to_owned()))
+            .collect()
+    };
+    let types = declared("# TYPE ");
+    let helps = declared("# HELP ");
+    let families: Vec<&str> = types
+        .iter()
+        .filter(|(name, _)| name.starts_with("outbox_"))
+        .map(|(name, _)| name.as_str())
+        .collect();
+    for family in [
+        "outbox_claimed_total",
+        "outbox_published_total",
+        "outbox_publish_duration_seconds",
+        "outbox_delivery_lag_seconds",
+    ] {
+        assert!(families.contains(&family), "{family}: {scraped}");
+    }
+    for family in &families {
+        let help = helps.iter().find(|(name, _)| name == family);
+        assert!(
+            help.is_some_and(|(_, text)| !text.trim().is_empty()),
+            "# HELP {family}: {scraped}"
+        );
+    }
+    for sample in scraped
+        .lines()
+        .filter(|l| l.starts_with("outbox_"))
+        .filter_map(|l| l.split(['{', ' ']).next())
+    {
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| sample.strip_suffix(suffix))
+            .filter(|base| families.contains(base))
+            .unwrap_or(sample);
+        assert!(
+            families.contains(&family),
+            "{sample} has no # TYPE: {scraped}"
+        );
+    }
+    for histogram in [
+        "outbox_publish_duration_seconds",
+        "outbox_delivery_lag_seconds",
+    ] {
+        assert!(
+            scraped.contains(&format!("# TYPE {histogram} histogram\n")),
+            "{scraped}"
+        );
+        let les: Vec<&str> = scraped
+            .lines()
+            .filter(|l| l.starts_with(&format!("{histogram}_bucket{{")))
+            .filter(|l| l.contains("topic=\"cli.metrics\""))
+            .filter_map(|l| l.split(",le=\"").nth(1)?.split('"').next())
+            .collect();
+        let mut expected = bounds.to_vec();
+        expected.push("+Inf");
+        assert_eq!(les, expected, "{histogram}: {scraped}");
+        assert!(
+            scraped
+                .lines()
+                .any(|l| l.starts_with(&format!("{histogram}_bucket{{"))
+                    && l.contains(",le=\"+Inf\"")
+                    && l.ends_with(" 7")),
+            "all 7 in the +Inf bucket: {scraped}"
+        );
+        assert!(
+            !scraped.contains(&format!("{histogram}{{")),
+            "no summary: {scraped}"
+        );
+    }
+}
+
+/// The relay's metrics endpoint: every `outbox_` family with its `# HELP` and `# TYPE`,
+/// the durations and lags as histograms with the default buckets (1 ms to 60 s).
+#[tokio::test]
+async fn the_relay_serves_its_metrics_to_prometheus() {
+    let (scraped, table) = metrics_after_seven_published(&[]).await;
     assert!(
         scraped.contains("outbox_publish_duration_seconds"),
         "{scraped}"
     );
     assert!(scraped.contains(&format!("table=\"{table}\"")), "{scraped}");
-    let status = terminate(&mut relay).await;
-    assert!(status.success(), "exit {status:?}");
+    assert_described_histograms(
+        &scraped,
+        &[
+            "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1", "2.5",
+            "5", "10", "30", "60",
+        ],
+    );
+    assert!(
+        scraped.contains("# TYPE outbox_published_total counter\n"),
+        "{scraped}"
+    );
+}
+
+/// `--metrics-buckets` gives the histograms their bucket bounds.
+#[tokio::test]
+async fn the_relay_exports_the_buckets_asked_for() {
+    let (scraped, _) =
+        metrics_after_seven_published(&["--metrics-buckets", "0.005,0.05,0.5,5"]).await;
+    assert_described_histograms(&scraped, &["0.005", "0.05", "0.5", "5"]);
+}
+
+/// Bucket bounds that are not positive, finite and strictly increasing, or given without
+/// `--metrics-addr`, are a usage error (exit 2) that says what is wrong.
+#[test]
+fn bad_metrics_buckets_are_a_usage_error() {
+    for (buckets, says) in [
+        (
+            "0.1,0.05",
+            "0.05 follows 0.1: the bounds must be strictly increasing",
+        ),
+        ("0,1", "the bucket bound 0 is not positive"),
+        ("-0.5,1", "the bucket bound -0.5 is not positive"),
+        ("0.1,inf", "the bucket bound inf is not finite"),
+        ("0.1,fast", "\"fast\" is not a number of seconds"),
+        ("0.1,,1", "a bucket bound is empty"),
+    ] {
+        let args = [
+            "relay",
+            "--metrics-addr",
+            "127.0.0.1:9",
+            "--metrics-buckets",
+            buckets,
+        ];
+        let out = cli("outbox", &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let line = common::error_line(&args, &stderr);
+        assert!(
+            line.contains("--metrics-buckets") && line.contains(says),
+            "{args:?}: {line}"
+        );
+    }
+    let out = cli("outbox", &["relay", "--metrics-buckets", "0.1,1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--metrics-addr"), "{stderr}");
 }
 
 #[tokio::test]

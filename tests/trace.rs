@@ -108,6 +108,24 @@ async fn enqueue_publish_and_handler_spans_share_one_trace() {
         .find(|s| s.name == "process order.created")
         .expect("the handler's span continues it too");
     assert_eq!(process.parent_span_id, enqueue.span_context.span_id());
+    // The consumer's own name has an attribute of its own; RabbitMQ has no consumer groups,
+    // so the span names none.
+    let attribute = |span: &SpanData, key: &str| {
+        span.attributes
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| kv.value.to_string())
+    };
+    assert_eq!(
+        attribute(process, "outbox.consumer.name").as_deref(),
+        Some("traced")
+    );
+    assert_eq!(
+        attribute(process, "messaging.consumer.group.name"),
+        None,
+        "{:?}",
+        process.attributes
+    );
     assert!(
         of_trace.iter().any(
             |s| s.name == "write invoice" && s.parent_span_id == process.span_context.span_id()

@@ -74,11 +74,12 @@ pub(super) async fn run<S: Source, H: Handler>(
     let mut source_failures = Streak::default();
     // After a failure of the source, when it may be asked again.
     let mut retry_at: Option<Instant> = None;
+    let group = source.consumer_group().map(str::to_owned);
     let spawn = |tasks: &mut JoinSet<()>,
                  task_aggregates: &mut HashMap<tokio::task::Id, String>,
                  incoming: Incoming| {
         let (inner, stop) = (inner.clone(), stop.clone());
-        let span = process_span(&inner, &incoming.delivery);
+        let span = process_span(&inner.name, group.as_deref(), &incoming.delivery);
         let aggregate = incoming.delivery.aggregate_key.clone();
         let task = tasks.spawn(settle_owned(inner, incoming, stop).instrument(span));
         if let Some(aggregate) = aggregate {
@@ -194,8 +195,11 @@ pub(super) async fn run<S: Source, H: Handler>(
 }
 
 /// The span of one delivery's handling, every run included: a child of the enqueuing span
-/// whose trace context the message carries (with the `opentelemetry` feature).
-fn process_span<H>(inner: &ConsumerShared<H>, delivery: &Delivery) -> tracing::Span {
+/// whose trace context the message carries (with the `opentelemetry` feature). The
+/// consumer's name (its dedupe records') is `outbox.consumer.name`; the broker's consumer
+/// group, where the source has one (Kafka's), is `messaging.consumer.group.name`, absent
+/// otherwise.
+fn process_span(consumer: &str, group: Option<&str>, delivery: &Delivery) -> tracing::Span {
     let span = tracing::info_span!(
         target: "diesel_outbox",
         parent: None,
@@ -205,7 +209,8 @@ fn process_span<H>(inner: &ConsumerShared<H>, delivery: &Delivery) -> tracing::S
         messaging.operation.type = "process",
         messaging.destination.name = %delivery.topic,
         messaging.message.id = %delivery.key,
-        messaging.consumer.group.name = %inner.name,
+        messaging.consumer.group.name = group,
+        outbox.consumer.name = %consumer,
     );
     crate::trace::continue_in(&span, &delivery.headers, true);
     span
@@ -452,5 +457,83 @@ async fn apply<H: Handler>(
             .await;
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+
+    use super::*;
+
+    /// The fields each new span was given, by name, their values as recorded.
+    #[derive(Clone, Default)]
+    struct Fields(Arc<Mutex<BTreeMap<String, String>>>);
+
+    impl Visit for Fields {
+        fn record_str(&mut self, field: &Field, value: &str) {
+            let mut fields = self.0.lock().unwrap();
+            fields.insert(field.name().to_owned(), value.to_owned());
+        }
+
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            let mut fields = self.0.lock().unwrap();
+            fields.insert(field.name().to_owned(), format!("{value:?}"));
+        }
+    }
+
+    impl<S: tracing::Subscriber> Layer<S> for Fields {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: Context<'_, S>,
+        ) {
+            attrs.record(&mut self.clone());
+        }
+    }
+
+    fn fields_of(group: Option<&str>) -> BTreeMap<String, String> {
+        let fields = Fields::default();
+        let subscriber = tracing_subscriber::registry().with(fields.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let _span = process_span("billing", group, &Delivery::new("k1", "order.created", "x"));
+        });
+        fields.0.lock().unwrap().clone()
+    }
+
+    #[test]
+    fn the_consumer_name_and_the_broker_group_have_attributes_of_their_own() {
+        let without = fields_of(None);
+        assert_eq!(
+            without.get("outbox.consumer.name").map(String::as_str),
+            Some("billing")
+        );
+        assert_eq!(
+            without.get("messaging.consumer.group.name"),
+            None,
+            "no broker group, no attribute: {without:?}"
+        );
+        assert_eq!(
+            without
+                .get("messaging.destination.name")
+                .map(String::as_str),
+            Some("order.created")
+        );
+        let with = fields_of(Some("billing-workers"));
+        assert_eq!(
+            with.get("messaging.consumer.group.name")
+                .map(String::as_str),
+            Some("billing-workers")
+        );
+        assert_eq!(
+            with.get("outbox.consumer.name").map(String::as_str),
+            Some("billing")
+        );
     }
 }

@@ -32,6 +32,14 @@ pub trait Source: Send + 'static {
         std::future::ready(Ok(()))
     }
 
+    /// The broker's consumer group this source consumes as, where the broker has such
+    /// groups (Kafka's `group.id`): the runner's `process` spans carry it as
+    /// `messaging.consumer.group.name`. Defaults to `None`, and a source without a group
+    /// gives its spans no such attribute.
+    fn consumer_group(&self) -> Option<&str> {
+        None
+    }
+
     /// Stops the subscription: deliveries not settled by now go back to the broker, to be
     /// delivered again. Called once the runner has drained.
     fn close(&mut self) -> impl Future<Output = ()> + Send;

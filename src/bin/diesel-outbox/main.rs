@@ -1,11 +1,13 @@
 //! `diesel-outbox`: migrate, inspect, redrive, discard, purge and relay an outbox from the shell.
 //!
 //! One file per group of subcommands (`schema`: migrate and sql; `ops`: stats, dead,
-//! redrive, discard, purge; `relay`), durations and ages in `durations`, redaction of every
-//! URL-valued argument in `secret`, and output through any writer in `output`.
+//! redrive, discard, purge; `relay`), durations and ages in `durations`, histogram buckets
+//! in `buckets`, redaction of every URL-valued argument in `secret`, and output through any
+//! writer in `output`.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 mod broker;
+mod buckets;
 mod durations;
 mod logs;
 mod ops;

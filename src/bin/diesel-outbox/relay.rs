@@ -12,6 +12,7 @@ use diesel_outbox::{Error, Outbox, PgPool, Publisher, Relay, until_reachable};
 use futures_util::FutureExt;
 
 use crate::broker::{Broker, BrokerArgs};
+use crate::buckets::Buckets;
 use crate::durations::{Age, Period};
 use crate::secret::Secret;
 use crate::{CONNECTION, Failure, USAGE};
@@ -91,6 +92,17 @@ pub(crate) struct RelayArgs {
     /// relay's metrics in the Prometheus text format.
     #[arg(long, visible_alias = "http-addr")]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// The upper bounds, in seconds and separated by commas, of the buckets of the metrics'
+    /// histograms (publish durations, delivery lags) on `--metrics-addr`: positive, finite
+    /// and strictly increasing.
+    #[arg(
+        long,
+        value_name = "SECONDS,...",
+        default_value_t = Buckets(defaults::HISTOGRAM_BUCKETS.to_vec()),
+        requires = "metrics_addr",
+        allow_hyphen_values = true
+    )]
+    metrics_buckets: Buckets,
 }
 
 pub(crate) async fn run(
@@ -107,7 +119,7 @@ pub(crate) async fn run(
     args.broker.check()?;
     let health = crate::serve::HealthSource::default();
     if let Some(addr) = args.metrics_addr {
-        crate::serve::serve(addr, health.clone()).await?;
+        crate::serve::serve(addr, &args.metrics_buckets, health.clone()).await?;
     }
     let started = async {
         let pool = pool(outbox, database_url, no_statement_cache, &args).await?;

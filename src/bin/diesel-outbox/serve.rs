@@ -1,6 +1,7 @@
 //! The relay's one HTTP listener (`--metrics-addr`): `/livez` and `/readyz`, the probes a
 //! container orchestrator calls (200, or 503 with the reasons, as JSON), and every other
-//! path the metrics in the Prometheus text format.
+//! path the metrics in the Prometheus text format, each with its `# HELP` line, the
+//! histograms with buckets (summaries cannot be added up across relays).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -14,6 +15,7 @@ use diesel_outbox::Health;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::Failure;
+use crate::buckets::Buckets;
 
 /// Where the probes read the relay's health: nothing until the relay is built.
 pub(crate) type HealthSource = Arc<Mutex<Option<Box<dyn Fn() -> Health + Send>>>>;
@@ -21,11 +23,17 @@ pub(crate) type HealthSource = Arc<Mutex<Option<Box<dyn Fn() -> Health + Send>>>
 /// How often the metrics' histograms are compacted.
 const UPKEEP: Duration = Duration::from_secs(5);
 
-/// Installs the metrics recorder and serves on `addr` until the process ends; the probes
-/// say "starting" until `health` is set.
-pub(crate) async fn serve(addr: SocketAddr, health: HealthSource) -> Result<(), Failure> {
+/// Installs the metrics recorder, every histogram with `buckets`, and serves on `addr`
+/// until the process ends; the probes say "starting" until `health` is set. The metrics'
+/// descriptions come from the relay's `FacadeMetrics`, built after this.
+pub(crate) async fn serve(
+    addr: SocketAddr,
+    buckets: &Buckets,
+    health: HealthSource,
+) -> Result<(), Failure> {
     let metrics = PrometheusBuilder::new()
-        .install_recorder()
+        .set_buckets(&buckets.0)
+        .and_then(PrometheusBuilder::install_recorder)
         .map_err(|e| Failure::new(1, format!("cannot record metrics: {e}")))?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await

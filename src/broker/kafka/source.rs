@@ -261,6 +261,10 @@ impl crate::consumer::Source for Source {
         Ok(())
     }
 
+    fn consumer_group(&self) -> Option<&str> {
+        Some(&self.group)
+    }
+
     async fn close(&mut self) {
         if let Some(consumer) = self.consumer.take() {
             consumer.unsubscribe();
@@ -464,6 +468,13 @@ impl Settle for Commit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_source_names_its_consumer_group_for_the_spans() {
+        use crate::consumer::Source as _;
+        let source = Source::group("127.0.0.1:9092", "billing-workers", ["orders"]);
+        assert_eq!(source.consumer_group(), Some("billing-workers"));
+    }
 
     #[test]
     fn the_position_moves_only_past_what_is_settled() {
