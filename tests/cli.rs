@@ -1515,3 +1515,60 @@ async fn a_broker_out_of_reach_is_named_with_its_cause_once() {
         assert!(!stderr.contains("guest:guest"), "{command:?}: {stderr}");
     }
 }
+
+/// `--kafka-property` with a key the crate owns, for `declare` and for `relay`: a usage
+/// error (exit 2) naming the key and why, before anything connects to Kafka (nothing
+/// listens at the brokers given), never showing the value; a pair without `=` likewise.
+#[tokio::test]
+async fn a_kafka_property_the_crate_owns_is_refused_as_a_usage_error() {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    assert!(stdout(&cli(&table, &["migrate"])).contains("migrated"));
+    let declare = ["declare", "--broker", "kafka", "--topic", "t"];
+    let relay = ["--table", &table, "relay", "--broker", "kafka"];
+    for (command, property, said) in [
+        (
+            &declare[..],
+            "allow.auto.create.topics=hunter2",
+            "the Kafka property `allow.auto.create.topics` is the crate's own: looking at a \
+             topic must not create it",
+        ),
+        (
+            &relay[..],
+            "enable.idempotence=hunter2",
+            "the Kafka property `enable.idempotence` is the crate's own: the producer is \
+             idempotent",
+        ),
+        (
+            &relay[..],
+            "bootstrap.servers=hunter2:9092",
+            "the Kafka property `bootstrap.servers` is the crate's own: the brokers are the \
+             `brokers` argument (--kafka-brokers)",
+        ),
+        (
+            &declare[..],
+            "sasl.password:hunter2",
+            "--kafka-property takes KEY=VALUE: the 2nd given is not (not shown)",
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let out = Command::new(BIN)
+            .args(command)
+            .args(["--kafka-property", "client.id=billing", "--kafka-property"])
+            .arg(property)
+            .env("DATABASE_URL", database_url())
+            .env("KAFKA_BROKERS", "127.0.0.1:1")
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{property}: {stderr}");
+        let error = common::error_line(&property, &stderr);
+        assert!(error.contains(said), "{property}: {error}");
+        assert!(!stderr.contains("hunter2"), "{property}: {stderr}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{property}: waited for Kafka"
+        );
+    }
+}

@@ -1,6 +1,7 @@
 //! The Kafka publisher and consumer source against Tansu (a Kafka-compatible broker) and
 //! PostgreSQL: the whole path with its order and dedupe, the outage rule with the broker
-//! paused, and a message Kafka cannot take.
+//! paused, a message Kafka cannot take, librdkafka properties passed through, where a new
+//! group starts, and topic configs.
 #![cfg(feature = "kafka")]
 
 mod common;
@@ -263,4 +264,148 @@ async fn declare_reports_each_topic_as_created_or_found_with_its_partitions() {
         "{again:?}"
     );
     assert_eq!(again[1].partitions, 3);
+}
+
+/// Produces one record with idempotency key `key` to `topic` (the publisher has no prefix).
+async fn produce(publisher: &KafkaPublisher, topic: &str, key: &str) {
+    let record = diesel_outbox::Record::new(key, topic, "x");
+    diesel_outbox::Publisher::publish(publisher, &record)
+        .await
+        .unwrap();
+}
+
+/// The idempotency key of the source's next delivery (left unsettled).
+async fn next_key(source: &mut kafka::Source) -> String {
+    use diesel_outbox::consumer::Source as _;
+    source.next(1).await.expect("a delivery").delivery.key
+}
+
+/// librdkafka properties reach librdkafka: `security.protocol=SSL` and `ssl.ca.location`
+/// given as properties (not `tls()`) make the topology's clients and the producer speak TLS
+/// to a listener that counts handshakes (and `client.id` overrides the crate's default);
+/// the broker's certificate is still verified (without the CA it is refused).
+#[tokio::test]
+async fn properties_pass_through_to_librdkafka() {
+    if !common::services::needs("properties_pass_through_to_librdkafka", Tansu::missing()) {
+        return;
+    }
+    let kafka = common::kafka::TlsTansu::start(&[]);
+    let ca = kafka.ca.to_str().unwrap().to_owned();
+    let topic = unique("props");
+    Topology::new()
+        .topic(&topic, 1)
+        .property("security.protocol", "SSL")
+        .property("ssl.ca.location", &ca)
+        .declare(&kafka.brokers)
+        .await
+        .unwrap();
+    let publisher = KafkaPublisher::builder(&kafka.brokers)
+        .property("security.protocol", "SSL")
+        .property("ssl.ca.location", &ca)
+        .property("client.id", "billing-relay")
+        .connect()
+        .await
+        .unwrap();
+    produce(&publisher, &topic, "over-properties").await;
+    assert!(
+        kafka.handshakes() >= 2,
+        "{} TLS handshakes",
+        kafka.handshakes()
+    );
+    assert_eq!(kafka.plaintext(), 0, "a client did not speak TLS");
+    let refused = KafkaPublisher::builder(&kafka.brokers)
+        .property("security.protocol", "SSL")
+        .delivery_timeout(Duration::from_secs(3))
+        .connect()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("certificate verify failed"), "{refused}");
+}
+
+/// A new group starts where `start_from` says: at the beginning by default (and with
+/// `Earliest`), so it gets a message produced before it existed; with `Latest` at the end,
+/// so the first message it gets is one produced after it joined.
+#[tokio::test]
+async fn a_new_group_starts_where_start_from_says() {
+    if skipped("a_new_group_starts_where_start_from_says") {
+        return;
+    }
+    use diesel_outbox::consumer::Source as _;
+    use diesel_outbox::consumer::kafka::StartFrom;
+    let (_, topic) = topic(&brokers(), "t", 1).await;
+    let publisher = publisher(&brokers(), "", Duration::from_secs(10)).await;
+    produce(&publisher, &topic, "before").await;
+    for mut earliest in [
+        kafka::Source::group(brokers(), unique("earliest"), [&topic]),
+        kafka::Source::group(brokers(), unique("earliest"), [&topic])
+            .start_from(StartFrom::Earliest),
+    ] {
+        let first = tokio::time::timeout(DEADLINE, next_key(&mut earliest))
+            .await
+            .expect("a delivery within the deadline");
+        assert_eq!(first, "before");
+        earliest.close().await;
+    }
+    let mut latest =
+        kafka::Source::group(brokers(), unique("latest"), [&topic]).start_from(StartFrom::Latest);
+    // The group's start is not observable from here: messages are produced until one
+    // arrives (one produced before the group found the partition's end is skipped too).
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut produced = 0;
+    let first = loop {
+        produced += 1;
+        produce(&publisher, &topic, &format!("after-{produced}")).await;
+        match tokio::time::timeout(Duration::from_millis(500), next_key(&mut latest)).await {
+            Ok(key) => break key,
+            Err(_) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "nothing came after {produced} messages"
+            ),
+        }
+    };
+    latest.close().await;
+    assert!(first.starts_with("after-"), "{first}");
+}
+
+/// Topic configs go with the topics `declare` creates, as the cluster reports them; a
+/// topic that exists is not altered.
+#[tokio::test]
+async fn topic_configs_go_with_the_topics_declare_creates() {
+    if skipped("topic_configs_go_with_the_topics_declare_creates") {
+        return;
+    }
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    let name = format!("{}.configured", unique("outbox_kafka"));
+    let declare = |retention: &'static str| {
+        Topology::new()
+            .topic(&name, 1)
+            .replication(1)
+            .topic_config("retention.ms", retention)
+    };
+    declare("604800000").declare(&brokers()).await.unwrap();
+    let retention = async || {
+        let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .unwrap();
+        let options = AdminOptions::new().request_timeout(Some(DEADLINE));
+        let described = admin
+            .describe_configs([&ResourceSpecifier::Topic(&name)], &options)
+            .await
+            .unwrap();
+        let resource = described[0].as_ref().expect("the topic's configs");
+        resource
+            .get("retention.ms")
+            .and_then(|entry| entry.value.clone())
+    };
+    assert_eq!(retention().await.as_deref(), Some("604800000"));
+    let again = declare("3600000").declare(&brokers()).await.unwrap();
+    assert!(!again[0].created);
+    assert_eq!(
+        retention().await.as_deref(),
+        Some("604800000"),
+        "left as it was"
+    );
 }

@@ -91,8 +91,14 @@ pub mod kafka {
     //! naming it (the source asks for the whole list, and subscribes with
     //! `allow.auto.create.topics=false`, so a cluster that creates topics on first use does
     //! not create it). A cluster out of reach at start is waited for, as later.
+    //!
+    //! A new group starts at each partition's beginning; [`Source::start_from`] with
+    //! [`StartFrom::Latest`] starts it at the end instead (messages produced before it
+    //! joined are never delivered to it). librdkafka properties the source has no method
+    //! for (an OAUTHBEARER login, `client.id`, fetch sizes) pass through
+    //! [`Source::property`], but for the keys the crate owns, which are refused by name.
 
-    pub use crate::broker::kafka::source::Source;
+    pub use crate::broker::kafka::source::{Source, StartFrom};
 }
 #[cfg(feature = "nats")]
 pub mod nats {

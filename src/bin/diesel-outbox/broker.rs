@@ -117,6 +117,21 @@ pub(crate) struct BrokerArgs {
     /// A file holding the password of `--kafka-user`, instead of `--kafka-password`.
     #[arg(long, env = "KAFKA_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "kafka_user")]
     pub(crate) kafka_password_file: Option<Secret>,
+    /// A librdkafka property for Kafka's clients (repeatable): a login the flags do not
+    /// offer (OAUTHBEARER), `client.id`, `compression.type`, … Keys the crate sets for its
+    /// guarantees (`acks`, `enable.idempotence`, `bootstrap.servers`, …) are refused. Values
+    /// are never printed.
+    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
+    pub(crate) kafka_property: Vec<Secret>,
+    /// A file of librdkafka properties, one `KEY=VALUE` a line (blank lines and lines
+    /// starting with `#` are skipped), before those of `--kafka-property`: for secrets
+    /// such as `sasl.oauthbearer.client.secret`.
+    #[arg(long, env = "KAFKA_PROPERTIES_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    pub(crate) kafka_properties_file: Option<Secret>,
+    /// The properties of `--kafka-properties-file` and `--kafka-property`, in that order,
+    /// as `resolve` parsed them.
+    #[arg(skip)]
+    pub(crate) kafka_properties: Vec<(String, Secret)>,
     /// NATS URL, or several comma-separated (with `--broker nats`); `tls://` for TLS.
     #[arg(long, env = "NATS_URL", hide_env_values = true)]
     pub(crate) nats_url: Option<Secret>,
@@ -210,6 +225,8 @@ impl BrokerArgs {
             ("kafka_password", &mut self.kafka_password),
             ("kafka_password_file", &mut self.kafka_password_file),
         )?;
+        self.kafka_properties =
+            kafka_properties(self.kafka_properties_file.as_ref(), &self.kafka_property)?;
         let logins = [
             self.nats_creds.is_some(),
             self.nats_nkey.is_some(),
@@ -397,6 +414,61 @@ impl BrokerArgs {
     }
 }
 
+/// The `KEY=VALUE` pairs of `file` (one a line; blank lines and `#` comments skipped), then
+/// those of `flags`, each key and value without the whitespace around them. A malformed
+/// one (no `=`, or an empty key) is a usage error that says where it is, never what it
+/// holds.
+pub(crate) fn kafka_properties(
+    file: Option<&Secret>,
+    flags: &[Secret],
+) -> Result<Vec<(String, Secret)>, String> {
+    let pair = |text: &str| {
+        let (key, value) = text.split_once('=')?;
+        let key = key.trim();
+        let value = value
+            .trim()
+            .parse::<Secret>()
+            .unwrap_or_else(|e| match e {});
+        (!key.is_empty()).then(|| (key.to_owned(), value))
+    };
+    let mut properties = Vec::new();
+    if let Some(file) = file {
+        for (number, line) in file.expose().lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            properties.push(pair(line).ok_or_else(|| {
+                format!(
+                    "--kafka-properties-file: line {} is not KEY=VALUE (not shown)",
+                    number + 1
+                )
+            })?);
+        }
+    }
+    for (number, flag) in flags.iter().enumerate() {
+        properties.push(pair(flag.expose()).ok_or_else(|| {
+            format!(
+                "--kafka-property takes KEY=VALUE: the {} given is not (not shown)",
+                ordinal(number + 1)
+            )
+        })?);
+    }
+    Ok(properties)
+}
+
+/// `1st`, `2nd`, `3rd`, `4th`, … `11th`, `21st`.
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
 /// The scheme of `url` in lower case (`amqp` of `amqp://…`), or `None` when it has none
 /// (as `host:port`). Never more of the URL than that.
 fn scheme(url: &str) -> Option<String> {
@@ -545,6 +617,9 @@ pub(crate) async fn declare(args: DeclareArgs, out: &mut Output<'_>) -> Result<(
             if let Some(sasl) = b.kafka_sasl() {
                 topology = topology.sasl(sasl);
             }
+            for (key, value) in &b.kafka_properties {
+                topology = topology.property(key, value.expose());
+            }
             let topics = topology.declare(b.kafka_brokers()?).await?;
             let names = topics.iter().map(described).collect();
             kafka_topics = Some(
@@ -583,5 +658,99 @@ fn described(topic: &kafka::DeclaredTopic) -> String {
         format!("topic {name} (found with {has} partitions)")
     } else {
         format!("topic {name} (found with {has} partitions, not the {asked} asked for)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+
+    /// The arguments parsed and resolved as `main` does: `Err` is the usage error printed.
+    fn resolved(args: &[&str]) -> Result<Vec<(String, String)>, String> {
+        let argv = [
+            "diesel-outbox",
+            "declare",
+            "--broker",
+            "kafka",
+            "--topic",
+            "t",
+        ];
+        let matches = crate::Cli::command()
+            .try_get_matches_from(argv.iter().chain(args).copied())
+            .expect("valid arguments");
+        let cli = crate::Cli::from_arg_matches(&matches)
+            .unwrap()
+            .resolve(&matches)?;
+        let crate::Command::Declare(args) = cli.command else {
+            panic!("declare");
+        };
+        Ok(args
+            .broker
+            .kafka_properties
+            .iter()
+            .map(|(k, v)| (k.clone(), v.expose().to_owned()))
+            .collect())
+    }
+
+    #[test]
+    fn kafka_properties_are_key_value_pairs() {
+        let dir = std::env::temp_dir().join(format!("outbox-props-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("kafka.properties");
+        std::fs::write(
+            &file,
+            "# the login\nsasl.mechanism = OAUTHBEARER\n\nsasl.oauthbearer.client.secret=a=b\n",
+        )
+        .unwrap();
+        let parsed = resolved(&[
+            "--kafka-properties-file",
+            file.to_str().unwrap(),
+            "--kafka-property",
+            "client.id=billing",
+            "--kafka-property",
+            "linger.ms=",
+        ])
+        .unwrap();
+        assert_eq!(
+            parsed,
+            [
+                ("sasl.mechanism".to_owned(), "OAUTHBEARER".to_owned()),
+                ("sasl.oauthbearer.client.secret".into(), "a=b".into()),
+                ("client.id".into(), "billing".into()),
+                ("linger.ms".into(), String::new()),
+            ]
+        );
+        std::fs::write(&file, "client.id=x\nsasl.password hunter2\n").unwrap();
+        let err = resolved(&["--kafka-properties-file", file.to_str().unwrap()]).unwrap_err();
+        assert_eq!(
+            err,
+            "--kafka-properties-file: line 2 is not KEY=VALUE (not shown)"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_malformed_kafka_property_is_a_usage_error_that_never_shows_it() {
+        for (args, said) in [
+            (
+                &["--kafka-property", "sasl.password:hunter2"][..],
+                "the 1st given",
+            ),
+            (
+                &["--kafka-property", "a=b", "--kafka-property", "=hunter2"],
+                "the 2nd given",
+            ),
+            (&["--kafka-property", "hunter2"], "the 1st given"),
+        ] {
+            let err = resolved(args).unwrap_err();
+            assert!(err.starts_with("--kafka-property takes KEY=VALUE"), "{err}");
+            assert!(err.contains(said), "{err}");
+            assert!(!err.contains("hunter2"), "{err}");
+        }
+        assert_eq!(ordinal(3), "3rd");
+        assert_eq!(ordinal(12), "12th");
+        assert_eq!(ordinal(22), "22nd");
     }
 }

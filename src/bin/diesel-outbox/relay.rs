@@ -170,6 +170,9 @@ pub(crate) async fn run(
                 if let Some(sasl) = b.kafka_sasl() {
                     publisher = publisher.sasl(sasl);
                 }
+                for (key, value) in &b.kafka_properties {
+                    publisher = publisher.property(key, value.expose());
+                }
                 let publisher = publisher.connect().await?;
                 Running::Kafka(build(outbox, pool, publisher, &args)?)
             }

@@ -60,6 +60,30 @@ impl Secret {
         &self.0
     }
 
+    /// The values of `KEY=VALUE` lines (Kafka properties) worth scrubbing: those of keys
+    /// that name a secret whatever their length, and others of four characters or more
+    /// (shorter ones, `all` or `5`, would mangle every message they appear in).
+    fn property_values(&self) -> impl Iterator<Item = &str> {
+        self.0.lines().filter_map(|line| {
+            let (key, value) = line.split_once('=')?;
+            let key = key.trim();
+            let value = value.trim();
+            let sensitive = [
+                "password",
+                "secret",
+                "token",
+                "key",
+                "jaas",
+                "pem",
+                "credential",
+                "config",
+            ]
+            .iter()
+            .any(|word| key.contains(word));
+            (sensitive || value.chars().count() >= 4).then_some(value)
+        })
+    }
+
     /// The password in the URL's user info, if any.
     fn password(&self) -> Option<&str> {
         let rest = self.0.split_once("://")?.1;
@@ -93,11 +117,12 @@ impl fmt::Display for Secret {
 pub(crate) struct Secrets(Vec<String>);
 
 impl Secrets {
-    /// Every [`Secret`] among `matches` and its subcommands' matches.
+    /// Every [`Secret`] among `matches` and its subcommands' matches (each value of one
+    /// given several times), and the values of the Kafka properties.
     pub(crate) fn of(matches: &ArgMatches) -> Self {
         let mut urls = Vec::new();
-        collect(matches, &mut urls);
         let mut texts = Vec::new();
+        collect(matches, &mut urls, &mut texts);
         for url in urls {
             texts.extend(url.password().map(str::to_owned));
             texts.push(url.0);
@@ -117,14 +142,22 @@ impl Secrets {
     }
 }
 
-fn collect(matches: &ArgMatches, urls: &mut Vec<Secret>) {
+/// The arguments whose values are `KEY=VALUE` lines.
+const PROPERTIES: [&str; 2] = ["kafka_property", "kafka_properties_file"];
+
+fn collect(matches: &ArgMatches, urls: &mut Vec<Secret>, values: &mut Vec<String>) {
     for id in matches.ids() {
-        if let Ok(Some(url)) = matches.try_get_one::<Secret>(id.as_str()) {
-            urls.push(url.clone());
+        if let Ok(Some(found)) = matches.try_get_many::<Secret>(id.as_str()) {
+            for secret in found {
+                if PROPERTIES.contains(&id.as_str()) {
+                    values.extend(secret.property_values().map(str::to_owned));
+                }
+                urls.push(secret.clone());
+            }
         }
     }
     if let Some((_, sub)) = matches.subcommand() {
-        collect(sub, urls);
+        collect(sub, urls, values);
     }
 }
 
@@ -166,6 +199,28 @@ mod tests {
         }
         let cli = crate::Cli::from_arg_matches(&matches).unwrap();
         assert_eq!(format!("{:?}", cli.database_url), "Some(Secret(***))");
+    }
+
+    #[test]
+    fn kafka_property_values_are_redacted() {
+        let matches = crate::Cli::command()
+            .try_get_matches_from([
+                "diesel-outbox",
+                "declare",
+                "--broker",
+                "kafka",
+                "--topic",
+                "t",
+                "--kafka-property",
+                "sasl.password=pw",
+                "--kafka-property",
+                "sasl.oauthbearer.client.secret = s3cret-two",
+                "--kafka-property",
+                "linger.ms=5",
+            ])
+            .unwrap();
+        let redacted = Secrets::of(&matches).redact("pw s3cret-two at 127.0.0.1:5432");
+        assert_eq!(redacted, "*** *** at 127.0.0.1:5432");
     }
 
     #[test]

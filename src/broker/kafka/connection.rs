@@ -113,10 +113,11 @@ impl Security {
                 config.set("ssl.certificate.pem", &client.chain.text);
                 config.set("ssl.key.pem", &client.key.text);
             }
-            // The broker's name is checked against its certificate (librdkafka's default,
-            // said here so that it cannot drift).
-            config.set("ssl.endpoint.identification.algorithm", "https");
         }
+        // The broker's name is checked against its certificate (librdkafka's default,
+        // said here so that it cannot drift), also over a TLS that a `security.protocol`
+        // property asks for.
+        config.set("ssl.endpoint.identification.algorithm", "https");
         if let Some(sasl) = &self.sasl {
             if sasl.user.is_empty() {
                 return Err("the Kafka SASL user is empty".into());

@@ -32,9 +32,16 @@
 //! TLS ([`KafkaPublisherBuilder::tls`]: `SSL`) and SASL logins ([`Sasl`]: PLAIN,
 //! SCRAM-SHA-256, SCRAM-SHA-512; with TLS, `SASL_SSL`) are librdkafka's, on OpenSSL. The
 //! brokers' certificates and names are verified, against the platform's roots and the CA
-//! file if given. Kerberos (GSSAPI) and OAUTHBEARER logins are not offered. A connect that
-//! fails says why, as librdkafka reported it ("certificate verify failed", "SASL
-//! authentication error").
+//! file if given. An OAUTHBEARER login with librdkafka's OIDC method (Amazon MSK, Confluent
+//! Cloud) is given through [`KafkaPublisherBuilder::property`] (an example is there), but
+//! needs a librdkafka built with libcurl, which the bundled one is not yet: it is refused at
+//! connect, saying so. Kerberos (GSSAPI) is not built in. A connect that fails says why, as librdkafka reported it
+//! ("certificate verify failed", "SASL authentication error").
+//!
+//! Any other librdkafka property passes through `property` too (on the consumer source and
+//! [`Topology`] as well), but for the keys the crate sets for its guarantees, which are
+//! refused by name (see [`KafkaPublisherBuilder::property`]). Values never appear in logs
+//! or errors.
 //!
 //! The tests run against Tansu, a Kafka-compatible broker, on its memory storage: producing
 //! with the idempotent producer, keys, headers and delivery reports, topics created with
@@ -54,11 +61,14 @@
 //! # let _ = publisher; Ok(()) }
 //! ```
 //!
-//! Inside: `properties` (a record as a Kafka message, and what a Kafka error says),
+//! Inside: `passthrough` (the properties given with `property`, the keys the crate owns,
+//! librdkafka's refusals told without values), `properties` (a record as a Kafka message,
+//! and what a Kafka error says),
 //! `pipeline` (a batch produced at once, its delivery reports matched to records),
 //! `topology` (topics created with their partitions, or found with theirs).
 
 mod connection;
+mod passthrough;
 mod pipeline;
 mod properties;
 pub(crate) mod source;
@@ -74,6 +84,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 
 pub use self::connection::Sasl;
 pub(crate) use self::connection::{Observed, Security};
+pub(crate) use self::passthrough::{Client, Properties};
 pub use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
 pub use self::topology::{DeclaredTopic, Topology};
 use crate::error::{Error, Result};
@@ -135,6 +146,7 @@ pub struct KafkaPublisherBuilder {
     delivery_timeout_set: bool,
     max_message_bytes: Option<usize>,
     security: Security,
+    properties: Properties,
 }
 
 impl fmt::Debug for KafkaPublisherBuilder {
@@ -148,6 +160,7 @@ impl fmt::Debug for KafkaPublisherBuilder {
             .field("max_message_bytes", &self.max_message_bytes)
             .field("tls", &self.security.tls)
             .field("sasl", &self.security.sasl)
+            .field("properties", &self.properties)
             .finish()
     }
 }
@@ -163,6 +176,7 @@ impl KafkaPublisher {
             delivery_timeout_set: false,
             max_message_bytes: None,
             security: Security::default(),
+            properties: Properties::default(),
         }
     }
 
@@ -213,13 +227,81 @@ impl KafkaPublisherBuilder {
         self
     }
 
+    /// Sets the librdkafka property `key` to `value` on the producer, for what the builder
+    /// has no method for: a login it does not offer (OAUTHBEARER, below), `client.id`,
+    /// `compression.type`, `linger.ms`, socket and metadata settings, a key-hashing
+    /// `partitioner` that matches Java clients (`murmur2_random`). Later calls win for the
+    /// same key; they override the crate's defaults (`client.id` "diesel-outbox relay",
+    /// `linger.ms` 2). librdkafka checks the key and the value at [`connect`](Self::connect).
+    ///
+    /// The keys the crate sets for its guarantees are refused at `connect` with
+    /// [`Error::InvalidOption`] naming the key and why, before anything connects:
+    /// `enable.idempotence`, `acks`, `max.in.flight.requests.per.connection`, `retries`
+    /// (the idempotent producer: no message written twice, each partition in order),
+    /// `transactional.id`, `message.timeout.ms`, `delivery.timeout.ms` and
+    /// `request.timeout.ms` (they follow [`delivery_timeout`](Self::delivery_timeout)),
+    /// `message.max.bytes` (use [`max_message_bytes`](Self::max_message_bytes)),
+    /// `bootstrap.servers`, `ssl.endpoint.identification.algorithm` and
+    /// `enable.ssl.certificate.verification` (the brokers' names and certificates are
+    /// always verified), `partitioner=random` (it would scatter an aggregate over
+    /// partitions), and, once [`tls`](Self::tls) or [`sasl`](Self::sasl) is given, what they
+    /// set (`security.protocol`, `sasl.*` of the login, `ssl.ca.*`, `ssl.certificate.*`,
+    /// `ssl.key.*`); librdkafka's aliases of these too.
+    ///
+    /// The value may be a secret (`sasl.password`, `sasl.oauthbearer.client.secret`): it
+    /// never appears in the builder's `Debug`, in logs or in errors, which name the key
+    /// only.
+    ///
+    /// Hazard: a property changes what librdkafka does, and the crate's tests cover its
+    /// own settings, not yours (`linger.ms` trades latency for batching, say).
+    ///
+    /// **OAUTHBEARER with OIDC** (Amazon MSK with IAM through an OIDC provider, Confluent
+    /// Cloud with OAuth): librdkafka fetches a token from the token endpoint with the client
+    /// credentials, and again before it expires.
+    ///
+    /// Hazard: librdkafka's OIDC method needs libcurl, and the librdkafka this crate
+    /// bundles is built without it: `connect` fails with [`Error::InvalidOption`] naming
+    /// the property ("not supported in this build: OAuth/OIDC depends on libcurl"), never
+    /// its value. The properties below are those that a librdkafka with libcurl takes.
+    ///
+    /// `security.protocol=SASL_SSL` gives TLS, with the brokers' certificates and names
+    /// verified against OpenSSL's default roots (the system's); or, for a private CA, give
+    /// [`tls`](Self::tls) instead of `security.protocol`: with a `sasl.mechanism` property
+    /// its `SSL` becomes `SASL_SSL`. Without either, the token would go over plain TCP.
+    ///
+    /// ```
+    /// use diesel_outbox::kafka::KafkaPublisher;
+    ///
+    /// let secret = std::env::var("KAFKA_CLIENT_SECRET").unwrap_or_default();
+    /// let builder = KafkaPublisher::builder("broker-1.example.com:9093")
+    ///     .topic_prefix("outbox.")
+    ///     .property("security.protocol", "SASL_SSL")
+    ///     .property("sasl.mechanism", "OAUTHBEARER")
+    ///     .property("sasl.oauthbearer.method", "oidc")
+    ///     .property("sasl.oauthbearer.client.id", "outbox-relay")
+    ///     .property("sasl.oauthbearer.client.secret", secret)
+    ///     .property(
+    ///         "sasl.oauthbearer.token.endpoint.url",
+    ///         "https://login.example.com/oauth2/v2.0/token",
+    ///     )
+    ///     .property("sasl.oauthbearer.scope", "kafka");
+    /// // `builder.connect().await?` makes the producer and logs in.
+    /// assert!(!format!("{builder:?}").contains("oauth2/v2.0"), "values are not shown");
+    /// ```
+    pub fn property(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.push(key, value);
+        self
+    }
+
     /// Validates the settings, makes the producer and waits for a broker's answer (failing
     /// fast on an unreachable cluster). Later losses are repaired by librdkafka itself.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for a broker list that is not `host:port[,…]`, a topic
     /// prefix that cannot start a topic name, a zero delivery timeout, a message size
-    /// librdkafka refuses, a TLS file that cannot be read or an empty SASL user;
+    /// librdkafka refuses, a TLS file that cannot be read, an empty SASL user, a
+    /// [`property`](Self::property) the crate owns or librdkafka refuses (named, its value
+    /// not shown);
     /// [`Error::Publish`] when no broker answers (naming them and the cause librdkafka
     /// gave: a refused connection, a certificate that failed verification, a refused
     /// login).
@@ -235,6 +317,9 @@ impl KafkaPublisherBuilder {
                 "delivery_timeout must be above zero".into(),
             ));
         }
+        self.properties
+            .check(Client::Producer, &self.security)
+            .map_err(Error::InvalidOption)?;
         let mut config = ClientConfig::new();
         config
             .set("bootstrap.servers", &endpoint)
@@ -248,6 +333,7 @@ impl KafkaPublisherBuilder {
         self.security
             .apply(&mut config)
             .map_err(Error::InvalidOption)?;
+        self.properties.apply(&mut config);
         let observed = Observed::default();
         let producer =
             producer(&config, self.delivery_timeout, &observed).map_err(Error::InvalidOption)?;
@@ -353,9 +439,12 @@ pub(crate) fn producer(
     config
         .set("message.timeout.ms", &millis)
         .set("request.timeout.ms", &millis);
-    config
-        .create_with_context(observed.clone())
-        .map_err(|e| format!("the Kafka producer refused its settings: {e}"))
+    config.create_with_context(observed.clone()).map_err(|e| {
+        format!(
+            "the Kafka producer refused its settings: {}",
+            passthrough::refused(&e, &config)
+        )
+    })
 }
 
 /// Waits up to `timeout` for a broker to answer a metadata request.

@@ -14,7 +14,7 @@ use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 
 use super::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, check_topic};
-use super::{Observed, Sasl, Security, brokers};
+use super::{Client, Observed, Properties, Sasl, Security, brokers, passthrough};
 use crate::consumer::{Delivery, Incoming, Settle};
 use crate::error::BoxError;
 use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
@@ -24,6 +24,35 @@ use crate::tls::Tls;
 /// How long `verify` waits for the list of topics.
 const VERIFY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Where a consumer group that has committed no offset for a partition starts reading it:
+/// librdkafka's `auto.offset.reset`, which also applies when the committed offset is gone
+/// (deleted by the topic's retention). Set with [`Source::start_from`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StartFrom {
+    /// At the partition's first message still kept: a new group consumes everything the
+    /// topic holds, a group whose offset was deleted reads again what is kept (the dedupe
+    /// absorbs what it applied before, within the inbox's retention). The default.
+    #[default]
+    Earliest,
+    /// At the partition's end when the group joins: a new group consumes only messages
+    /// produced after that.
+    ///
+    /// Hazard: messages produced before are never delivered to the group, those the relay
+    /// published before the group's first start included, and so are those past a deleted
+    /// offset.
+    Latest,
+}
+
+impl StartFrom {
+    fn name(self) -> &'static str {
+        match self {
+            StartFrom::Earliest => "earliest",
+            StartFrom::Latest => "latest",
+        }
+    }
+}
+
 /// Kafka topics, consumed by a consumer group, as the source of a
 /// [`Consumer`](crate::consumer::Consumer).
 pub struct Source {
@@ -31,7 +60,9 @@ pub struct Source {
     group: String,
     topics: Vec<String>,
     prefix: String,
+    start_from: StartFrom,
     security: Security,
+    properties: Properties,
     offsets: Arc<Mutex<Offsets>>,
     consumer: Option<Arc<StreamConsumer<Tracked>>>,
 }
@@ -47,6 +78,8 @@ impl fmt::Debug for Source {
             .field("topics", &self.topics)
             .field("tls", &self.security.tls)
             .field("sasl", &self.security.sasl)
+            .field("start_from", &self.start_from)
+            .field("properties", &self.properties)
             .field("subscribed", &self.consumer.is_some())
             .finish_non_exhaustive()
     }
@@ -55,7 +88,8 @@ impl fmt::Debug for Source {
 impl Source {
     /// Consumes `topics` on the Kafka cluster reached through `brokers` (`host:port`, or
     /// several separated by commas) as a member of consumer group `group`. A group that
-    /// has committed nothing starts at the beginning of each partition.
+    /// has committed nothing starts at the beginning of each partition, unless
+    /// [`start_from`](Self::start_from) says otherwise.
     pub fn group(
         brokers: impl Into<String>,
         group: impl Into<String>,
@@ -66,7 +100,9 @@ impl Source {
             group: group.into(),
             topics: topics.into_iter().map(Into::into).collect(),
             prefix: String::new(),
+            start_from: StartFrom::default(),
             security: Security::default(),
+            properties: Properties::default(),
             offsets: Arc::default(),
             consumer: None,
         }
@@ -93,6 +129,34 @@ impl Source {
         self
     }
 
+    /// Where the group starts in a partition it has no committed offset for (a new group,
+    /// or an offset the topic's retention deleted); see [`StartFrom`]. Defaults to
+    /// [`StartFrom::Earliest`]. A group that has committed an offset resumes there either
+    /// way.
+    pub fn start_from(mut self, start: StartFrom) -> Self {
+        self.start_from = start;
+        self
+    }
+
+    /// Sets the librdkafka property `key` to `value` on the consumer, as
+    /// [`KafkaPublisherBuilder::property`](crate::kafka::KafkaPublisherBuilder::property)
+    /// does on the producer (an OAUTHBEARER login is shown there; `client.id` defaults to
+    /// "diesel-outbox consumer"). The value never appears in `Debug`, logs or errors.
+    ///
+    /// The keys the crate owns are refused by the consumer's `build()` with
+    /// [`Error::InvalidOption`](crate::Error::InvalidOption), naming the key and why:
+    /// `group.id` (the `group` argument), `enable.auto.commit` and
+    /// `enable.auto.offset.store` (offsets move only past settled messages),
+    /// `auto.offset.reset` (use [`start_from`](Self::start_from)),
+    /// `allow.auto.create.topics` (a missing topic is reported, never created),
+    /// `enable.partition.eof`, `bootstrap.servers`, the verification of the brokers'
+    /// certificates and names, and what [`tls`](Self::tls) and [`sasl`](Self::sasl) set
+    /// once given.
+    pub fn property(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.push(key, value);
+        self
+    }
+
     /// The consumer's settings, and the brokers as `host:port,…`.
     fn config(&self) -> Result<(ClientConfig, String), BoxError> {
         let endpoint = brokers(&self.brokers)?;
@@ -102,10 +166,12 @@ impl Source {
             .set("group.id", &self.group)
             .set("client.id", "diesel-outbox consumer")
             .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
+            .set("auto.offset.reset", self.start_from.name())
             // Subscribing to a topic that does not exist must not create it.
             .set("allow.auto.create.topics", "false");
         self.security.apply(&mut config)?;
+        self.properties.check(Client::Consumer, &self.security)?;
+        self.properties.apply(&mut config);
         Ok((config, endpoint))
     }
 
@@ -120,7 +186,12 @@ impl Source {
                 observed: Observed::default(),
                 commits: Mutex::default(),
             })
-            .map_err(|e| format!("the Kafka consumer for {endpoint}: {e}"))?;
+            .map_err(|e| {
+                format!(
+                    "the Kafka consumer for {endpoint}: {}",
+                    passthrough::refused(&e, &config)
+                )
+            })?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         consumer
             .subscribe(&topics)
@@ -207,7 +278,7 @@ impl crate::consumer::Source for Source {
             // source's do.
             let reader: BaseConsumer<Observed> = config
                 .create_with_context(Observed::default())
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| passthrough::refused(&e, &config))?;
             let metadata = reader
                 .fetch_metadata(None, VERIFY_TIMEOUT)
                 .map_err(|e| e.to_string())?;
@@ -247,8 +318,9 @@ impl crate::consumer::Source for Source {
 
     fn check(&self) -> Result<(), BoxError> {
         brokers(&self.brokers)?;
-        // The TLS files and the login, checked before the runner starts.
+        // The TLS files, the login and the properties, checked before the runner starts.
         self.security.apply(&mut ClientConfig::new())?;
+        self.properties.check(Client::Consumer, &self.security)?;
         if self.group.is_empty() {
             return Err("the Kafka consumer group is empty".into());
         }
@@ -474,6 +546,37 @@ mod tests {
         use crate::consumer::Source as _;
         let source = Source::group("127.0.0.1:9092", "billing-workers", ["orders"]);
         assert_eq!(source.consumer_group(), Some("billing-workers"));
+    }
+
+    #[test]
+    fn a_new_group_starts_at_the_beginning_unless_told_otherwise() {
+        let reset = |source: Source| {
+            let (config, _) = source.config().unwrap();
+            config.get("auto.offset.reset").map(str::to_owned)
+        };
+        let source = || Source::group("k:9092", "g", ["t"]);
+        assert_eq!(reset(source()).as_deref(), Some("earliest"));
+        assert_eq!(
+            reset(source().start_from(StartFrom::Earliest)).as_deref(),
+            Some("earliest")
+        );
+        assert_eq!(
+            reset(source().start_from(StartFrom::Latest)).as_deref(),
+            Some("latest")
+        );
+        // Through a property it is refused, by build() as by the look at the settings.
+        let owned = source().property("auto.offset.reset", "latest");
+        let err = crate::consumer::Source::check(&owned)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`auto.offset.reset`") && err.contains("start_from"),
+            "{err}"
+        );
+        assert!(owned.config().is_err());
+        let taken = source().property("client.id", "billing");
+        crate::consumer::Source::check(&taken).unwrap();
+        assert_eq!(taken.config().unwrap().0.get("client.id"), Some("billing"));
     }
 
     #[test]

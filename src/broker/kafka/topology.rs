@@ -8,7 +8,9 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::Producer;
 
 use super::properties::check_topic;
-use super::{Observed, Sasl, Security, brokers, producer, reachable};
+use super::{
+    Client, Observed, Properties, Sasl, Security, brokers, passthrough, producer, reachable,
+};
 use crate::error::{Error, Result};
 use crate::publisher::PublishError;
 use crate::tls::Tls;
@@ -48,10 +50,11 @@ impl DeclaredTopic {
 /// partitions (one aggregate's messages stay in one partition, so more partitions spread
 /// aggregates, never split one).
 ///
-/// Declaring is idempotent: a topic that exists is left as it is, whatever its partitions;
-/// what [`Topology::declare`] returns says, for each topic, whether it was created and how
-/// many partitions it has (a warning is logged for one found with other partitions than
-/// asked for).
+/// Declaring is idempotent: a topic that exists is left as it is, whatever its partitions
+/// and configs; what [`Topology::declare`] returns says, for each topic, whether it was
+/// created and how many partitions it has (a warning is logged for one found with other
+/// partitions than asked for). Topic configs ([`Topology::topic_config`]) go with the
+/// topics created.
 ///
 /// ```no_run
 /// use diesel_outbox::kafka::Topology;
@@ -60,6 +63,7 @@ impl DeclaredTopic {
 /// let declared = Topology::new()
 ///     .topic("outbox.order.created", 6)
 ///     .topic("outbox.order.paid", 6)
+///     .topic_config("retention.ms", "604800000") // a week
 ///     .declare("127.0.0.1:9092")
 ///     .await?;
 /// for topic in declared.iter().filter(|t| !t.as_asked()) {
@@ -72,7 +76,9 @@ impl DeclaredTopic {
 pub struct Topology {
     topics: Vec<(String, u32)>,
     replication: Option<u16>,
+    configs: Vec<(String, String)>,
     security: Security,
+    properties: Properties,
 }
 
 impl Topology {
@@ -91,6 +97,35 @@ impl Topology {
     /// How many replicas each partition has. Defaults to the cluster's own default.
     pub fn replication(mut self, replicas: u16) -> Self {
         self.replication = Some(replicas);
+        self
+    }
+
+    /// The topic config `key` = `value` (`retention.ms`, `cleanup.policy`,
+    /// `min.insync.replicas`, `max.message.bytes`, …) for every topic this call creates;
+    /// later calls win for the same key. Defaults to the cluster's defaults.
+    ///
+    /// Hazard: a topic that exists is not altered: its configs stay what they are (change
+    /// them with Kafka's own tools), and [`declare`](Self::declare) does not compare them.
+    /// The cluster checks keys and values; a topic it refuses one for fails `declare`,
+    /// naming the topic.
+    pub fn topic_config(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        let key = key.into();
+        self.configs.retain(|(k, _)| *k != key);
+        self.configs.push((key, value.into()));
+        self
+    }
+
+    /// Sets the librdkafka property `key` to `value` on the clients that declare, as
+    /// [`KafkaPublisherBuilder::property`](crate::kafka::KafkaPublisherBuilder::property)
+    /// does on the producer (an OAUTHBEARER login is shown there). The value never appears
+    /// in `Debug`, logs or errors. Refused by [`declare`](Self::declare) with
+    /// [`Error::InvalidOption`], naming the key and why: `bootstrap.servers`,
+    /// `allow.auto.create.topics` (looking at a topic must not create it),
+    /// `message.timeout.ms`, `delivery.timeout.ms` and `request.timeout.ms` (they follow
+    /// declare's wait for a broker), the verification of the brokers' certificates and
+    /// names, and what [`tls`](Self::tls) and [`sasl`](Self::sasl) set once given.
+    pub fn property(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.push(key, value);
         self
     }
 
@@ -117,8 +152,9 @@ impl Topology {
     ///
     /// # Errors
     /// [`Error::InvalidOption`] for a broker list that is not `host:port[,…]`, a topic name
-    /// Kafka refuses, zero partitions or replicas, a TLS file that cannot be read or an
-    /// empty SASL user (nothing is created then); [`Error::Publish`] when no broker answers
+    /// Kafka refuses, zero partitions or replicas, a TLS file that cannot be read, an
+    /// empty SASL user, an empty topic config key, or a [`property`](Self::property) the
+    /// crate owns or librdkafka refuses (nothing is created then); [`Error::Publish`] when no broker answers
     /// (naming the cause) or the cluster refuses a topic (naming it and why).
     pub async fn declare(&self, brokers_list: &str) -> Result<Vec<DeclaredTopic>> {
         let endpoint = brokers(brokers_list).map_err(Error::InvalidOption)?;
@@ -136,6 +172,14 @@ impl Topology {
                 "replication must be above zero".into(),
             ));
         }
+        if self.configs.iter().any(|(key, _)| key.trim().is_empty()) {
+            return Err(Error::InvalidOption(
+                "a Kafka topic config has an empty key".into(),
+            ));
+        }
+        self.properties
+            .check(Client::Admin, &self.security)
+            .map_err(Error::InvalidOption)?;
         let mut config = ClientConfig::new();
         config
             .set("bootstrap.servers", &endpoint)
@@ -145,27 +189,21 @@ impl Topology {
         self.security
             .apply(&mut config)
             .map_err(Error::InvalidOption)?;
+        self.properties.apply(&mut config);
         let observed = Observed::default();
         // The admin client never reports its connections' errors; a producer (which polls
         // for them) asks first, as the publisher's connect does, so that a broker out of
         // reach fails with its cause rather than the admin request's timeout.
         let looking = producer(&config, PROBE_TIMEOUT, &observed).map_err(Error::InvalidOption)?;
         reachable(&looking, &observed, &endpoint, PROBE_TIMEOUT).await?;
-        let admin: AdminClient<Observed> = config
-            .create_with_context(observed.clone())
-            .map_err(|e| Error::InvalidOption(format!("the Kafka admin client: {e}")))?;
-        let replicas = self.replication.map_or(-1, i32::from);
-        let topics: Vec<NewTopic<'_>> = self
-            .topics
-            .iter()
-            .map(|(name, partitions)| {
-                NewTopic::new(
-                    name,
-                    i32::try_from(*partitions).unwrap_or(1),
-                    TopicReplication::Fixed(replicas),
-                )
-            })
-            .collect();
+        let admin: AdminClient<Observed> =
+            config.create_with_context(observed.clone()).map_err(|e| {
+                Error::InvalidOption(format!(
+                    "the Kafka admin client: {}",
+                    passthrough::refused(&e, &config)
+                ))
+            })?;
+        let topics = self.new_topics();
         let options = AdminOptions::new().operation_timeout(Some(DECLARE_TIMEOUT));
         let results = tokio::time::timeout(DECLARE_TIMEOUT, admin.create_topics(&topics, &options))
             .await
@@ -218,6 +256,27 @@ impl Topology {
     }
 }
 
+impl Topology {
+    /// Each topic as the request that creates it: its partitions, its replicas (`-1`: the
+    /// cluster's default) and the topic configs.
+    fn new_topics(&self) -> Vec<NewTopic<'_>> {
+        let replicas = self.replication.map_or(-1, i32::from);
+        self.topics
+            .iter()
+            .map(|(name, partitions)| {
+                self.configs.iter().fold(
+                    NewTopic::new(
+                        name,
+                        i32::try_from(*partitions).unwrap_or(1),
+                        TopicReplication::Fixed(replicas),
+                    ),
+                    |topic, (key, value)| topic.set(key.trim(), value),
+                )
+            })
+            .collect()
+    }
+}
+
 /// The partitions of each topic of `names` (topics that exist), from the cluster's
 /// metadata.
 async fn partitions_of(
@@ -255,4 +314,60 @@ async fn partitions_of(
 
 fn unavailable(endpoint: &str, why: String) -> Error {
     Error::Publish(PublishError::unavailable(format!("Kafka at {endpoint}: {why}")).into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_configs_go_with_every_topic_created() {
+        let topology = Topology::new()
+            .topic("a", 3)
+            .topic("b", 1)
+            .replication(2)
+            .topic_config("retention.ms", "1")
+            .topic_config("cleanup.policy", "compact")
+            .topic_config("retention.ms", "604800000");
+        let topics = topology.new_topics();
+        assert_eq!(topics.len(), 2);
+        for topic in &topics {
+            assert_eq!(
+                topic.config,
+                [("cleanup.policy", "compact"), ("retention.ms", "604800000")]
+            );
+        }
+        assert_eq!((topics[0].name, topics[0].num_partitions), ("a", 3));
+        assert!(matches!(topics[1].replication, TopicReplication::Fixed(2)));
+        assert!(
+            Topology::new().topic("a", 1).new_topics()[0]
+                .config
+                .is_empty()
+        );
+    }
+
+    #[tokio::test]
+    async fn refused_properties_and_empty_config_keys_fail_before_connecting() {
+        // Nothing listens on port 1: a check that passed would fail on the connection.
+        let err = Topology::new()
+            .topic("a", 1)
+            .property("allow.auto.create.topics", "true")
+            .declare("127.0.0.1:1")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidOption(m) if m.contains("`allow.auto.create.topics`")),
+            "{err}"
+        );
+        let err = Topology::new()
+            .topic("a", 1)
+            .topic_config(" ", "x")
+            .declare("127.0.0.1:1")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidOption(m) if m.contains("empty key")),
+            "{err}"
+        );
+    }
 }
