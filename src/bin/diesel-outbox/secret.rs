@@ -68,19 +68,8 @@ impl Secret {
             let (key, value) = line.split_once('=')?;
             let key = key.trim();
             let value = value.trim();
-            let sensitive = [
-                "password",
-                "secret",
-                "token",
-                "key",
-                "jaas",
-                "pem",
-                "credential",
-                "config",
-            ]
-            .iter()
-            .any(|word| key.contains(word));
-            (sensitive || value.chars().count() >= 4).then_some(value)
+            let secret = diesel_outbox::kafka::is_secret_property(key);
+            (secret || value.chars().count() >= 4).then_some(value)
         })
     }
 

@@ -84,6 +84,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 
 pub use self::connection::Sasl;
 pub(crate) use self::connection::{Observed, Security};
+pub use self::passthrough::is_secret_property;
 pub(crate) use self::passthrough::{Client, Properties};
 pub use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
 pub use self::topology::{DeclaredTopic, Topology};

@@ -158,8 +158,10 @@ fn owned(client: Client, security: &Security, key: &str, value: &str) -> Option<
     })
 }
 
-/// True for a key whose value is a secret whatever its length.
-fn sensitive(key: &str) -> bool {
+/// Whether the value of the librdkafka property `key` is a secret whatever its length
+/// (a password, a token, a key, a JAAS or OIDC configuration): the crate never shows it,
+/// and neither should a tool that prints properties.
+pub fn is_secret_property(key: &str) -> bool {
     [
         "password",
         "secret",
@@ -181,7 +183,7 @@ fn scrub(message: &str, config: &ClientConfig, also: Option<&str>) -> String {
     let mut values: Vec<&str> = config
         .config_map()
         .iter()
-        .filter(|(key, value)| sensitive(key) || value.chars().count() >= 4)
+        .filter(|(key, value)| is_secret_property(key) || value.chars().count() >= 4)
         .map(|(_, value)| value.as_str())
         .chain(also)
         .filter(|value| !value.is_empty())
