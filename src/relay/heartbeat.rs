@@ -49,6 +49,8 @@ pub(super) async fn run(
                 }
             }
             Err(e) => {
+                // Whom a standby waited for is no longer known.
+                vitals.cursor_held_by(None);
                 // The loop's own statements report the database's trouble; this says only
                 // what it means for the cursor.
                 if !failing {

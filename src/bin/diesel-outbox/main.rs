@@ -157,24 +157,9 @@ impl From<Error> for Failure {
             e if e.is_invalid_input() => USAGE,
             _ => 1,
         };
-        Failure::new(code, said_once(&err))
+        // The crate's errors say each cause once in their message, and have no source.
+        Failure::new(code, err.to_string())
     }
-}
-
-/// An error and the causes below it, `: `-separated, each said once: a message often
-/// repeats its source's already, and then the source adds nothing.
-fn said_once(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let said = cause.to_string();
-        if !text.contains(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 fn main() -> ExitCode {
@@ -430,7 +415,7 @@ mod tests {
         );
         let pool = Error::Pool(Box::new(Silent(refused())));
         assert_eq!(
-            said_once(&pool),
+            pool.to_string(),
             "connection pool error: RabbitMQ at 127.0.0.1:1: refused"
         );
     }
