@@ -776,3 +776,110 @@ async fn a_standby_keeps_off_a_live_holders_cursor_and_takes_over_within_a_lease
     .await;
     stop_relay(stop_standby, standing_by).await;
 }
+
+/// The cursor's holder loses its lease while a publish of its page is under way (another
+/// relay takes the cursor over here, as one does once the holder's renewals stop reaching
+/// the database): the holder cuts that publish off and starts none of the page's later
+/// messages, so that two relays never publish one aggregate at once. Given the cursor
+/// back, it publishes the page again, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_loses_the_cursor_stops_publishing_from_it() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Set when dropped while armed: a publish cut off before it ended.
+    struct CutOff(Arc<AtomicBool>, bool);
+    impl Drop for CutOff {
+        fn drop(&mut self) {
+            if self.1 {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    let mut f = log_fixture().await;
+    let t = f.outbox.table().to_owned();
+    let cursor_lease = Duration::from_secs(2);
+    let open = Arc::new(tokio::sync::watch::channel(false).0);
+    let started: Arc<Mutex<Vec<String>>> = Arc::default();
+    let cut = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let (open, started, cut) = (open.clone(), started.clone(), cut.clone());
+        publisher_fn(move |record: diesel_outbox::Record| {
+            let (open, started, cut) = (open.clone(), started.clone(), cut.clone());
+            async move {
+                started.lock().unwrap().push(record.key.clone());
+                if record.key == "m1" {
+                    // Held until the gate opens.
+                    let mut guard = CutOff(cut, true);
+                    let _ = open.subscribe().wait_for(|open| *open).await;
+                    guard.1 = false;
+                }
+                Ok::<(), PublishError>(())
+            }
+        })
+    };
+    let relay = f
+        .outbox
+        .relay(f.pool.clone(), publisher)
+        // A row lease far longer than the test: only the cursor's lease cuts it.
+        .lease(Duration::from_secs(120))
+        .cursor_lease(cursor_lease)
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let (stop, running) = spawn_relay(relay);
+    let keys = ["m1", "m2", "m3", "m4", "m5"];
+    f.outbox
+        .enqueue_many_alone(
+            &mut f.conn,
+            keys.iter()
+                .map(|k| Message::new("t", "x").key(*k).aggregate_key("a"))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    eventually(DEADLINE, "m1's publish started", || {
+        let s = started.lock().unwrap().clone();
+        async move { (s == ["m1"]).then_some(()) }
+    })
+    .await;
+
+    // Another relay takes the cursor over.
+    f.conn
+        .batch_execute(&format!(
+            "UPDATE {t}_cursor SET owner = 'another relay', token = token + 1, \
+             lease_until = now() + interval '1 hour' WHERE part = 0"
+        ))
+        .await
+        .unwrap();
+    eventually(DEADLINE, "m1's publish cut off", || {
+        let cut = AtomicBool::load(&cut, Ordering::SeqCst);
+        async move { cut.then_some(()) }
+    })
+    .await;
+    // Two more leases: nothing of the page starts while the other relay holds it.
+    tokio::time::sleep(2 * cursor_lease).await;
+    assert_eq!(
+        *started.lock().unwrap(),
+        ["m1"],
+        "published from a lost cursor"
+    );
+
+    // The other relay gives it back: the page is published again, in order.
+    open.send_replace(true);
+    f.conn
+        .batch_execute(&format!(
+            "UPDATE {t}_cursor SET owner = NULL, lease_until = now() WHERE part = 0"
+        ))
+        .await
+        .unwrap();
+    eventually(DEADLINE, "the page published again", || {
+        let n = started.lock().unwrap().len();
+        async move { (n > keys.len()).then_some(()) }
+    })
+    .await;
+    stop_relay(stop, running).await;
+    let again: Vec<String> = started.lock().unwrap()[1..].to_vec();
+    assert_eq!(again, keys, "published again in order, once");
+}

@@ -29,7 +29,18 @@ pub(super) async fn run(
     loop {
         // A beat is not cut short by the stop: the give-back at the run's end waits for it
         // (a take cut short could still reach the database after the give-back).
-        let pause = match store.heartbeat(&options).await {
+        let asked = tokio::time::Instant::now();
+        let beat = store.heartbeat(&options).await;
+        let took = asked.elapsed();
+        if took > options.cursor_lease / 2 {
+            tracing::warn!(
+                table = %table, took = ?took, cursor_lease = ?options.cursor_lease,
+                "the log cursor's heartbeat took over half the cursor lease (no connection \
+                 free in the pool, or a slow database): a relay whose renewals take a lease \
+                 loses the cursor, and stops publishing from it"
+            );
+        }
+        let pause = match beat {
             Ok(beat) => {
                 if failing {
                     failing = false;

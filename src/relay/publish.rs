@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::Relay;
 use super::limits::{MAX_STALLED, RECORD_GRACE};
 use super::outcome::{Claimed, Outcome};
-use super::store::{Batch, End, Finish};
+use super::store::{Batch, End, Finish, LeaseEnd};
 use crate::error::Error;
 use crate::publisher::{BatchResults, PublishError, Publisher, Record};
 use crate::shutdown::{retry_until, until_stopped};
@@ -37,10 +37,18 @@ struct Open<'a> {
     settled: Vec<bool>,
 }
 
+/// The leases a batch is published under: its rows' own, taken at `claimed_at`, and for a
+/// page of the log the cursor's, which a heartbeat renews while the batch publishes.
+#[derive(Clone)]
+struct Leases {
+    claimed_at: Instant,
+    cursor: Option<LeaseEnd>,
+}
+
 /// What a wave's one-by-one publishes look at before each starts.
 struct Started<'a> {
     stop: watch::Receiver<bool>,
-    claimed_at: Instant,
+    leases: Leases,
     /// Records whose turn has come (started, or skipped).
     begun: &'a AtomicUsize,
     /// Set once a publish of this wave found the broker unavailable.
@@ -253,7 +261,7 @@ impl<P: Publisher> Outcomes<P> {
 
 /// What one wave needs to know of its batch.
 struct Wave<'a> {
-    claimed_at: Instant,
+    leases: &'a Leases,
     drain: &'a mut Drain,
     slot: &'a mut Slot,
     /// Aggregates whose run stops here: a message failed, so its successors wait.
@@ -329,6 +337,10 @@ impl<P: Publisher> Relay<P> {
             trouble: _,
         } = batch;
         let record_by = claimed_at + 2 * inner.options.lease;
+        let leases = Leases {
+            claimed_at,
+            cursor: finish.as_ref().and_then(|f| f.lease_end()),
+        };
         let mut outcomes = Outcomes {
             relay: self.clone(),
             pending: Vec::with_capacity(ready.len() + undecodable.len()),
@@ -359,7 +371,7 @@ impl<P: Publisher> Relay<P> {
             stop,
             deadline: None,
         };
-        self.publish(ready, claimed_at, &mut drain, &mut slot, &mut outcomes)
+        self.publish(ready, &leases, &mut drain, &mut slot, &mut outcomes)
             .await;
         slot.release();
         outcomes.finish().await;
@@ -376,7 +388,7 @@ impl<P: Publisher> Relay<P> {
     async fn publish(
         &self,
         ready: Vec<Claimed>,
-        claimed_at: Instant,
+        leases: &Leases,
         drain: &mut Drain,
         slot: &mut Slot,
         outcomes: &mut Outcomes<P>,
@@ -390,12 +402,12 @@ impl<P: Publisher> Relay<P> {
             // What is known is recorded before this batch may wait for a slot again.
             outcomes.flush_if_idle();
             let regained =
-                drain.stopping() || slot.regain(outcomes, || self.too_late(claimed_at)).await;
+                drain.stopping() || slot.regain(outcomes, || self.too_late(leases)).await;
             // Later waves wait for earlier ones (and a batch may wait for a publishing slot);
             // once half the lease is gone, or too little of it is left for the publisher's
             // own timeout, the rest is released rather than risk publishing it after another
             // relay took it over.
-            let late = !regained || self.too_late(claimed_at);
+            let late = !regained || self.too_late(leases);
             // The broker went away while this batch was publishing: keep the rest.
             let unavailable = inner.outage.since().is_some_and(|since| since >= started);
             let (go, held): (Vec<Claimed>, Vec<Claimed>) = wave.into_iter().partition(|c| {
@@ -419,7 +431,7 @@ impl<P: Publisher> Relay<P> {
                 continue;
             }
             let mut wave = Wave {
-                claimed_at,
+                leases,
                 drain,
                 slot,
                 blocked: &mut blocked,
@@ -445,21 +457,65 @@ impl<P: Publisher> Relay<P> {
         }
     }
 
-    /// Whether it is too late to start a publish of a batch claimed at `claimed_at`: half
-    /// the lease is gone, or what is left before the deadline ([`Relay::hard_deadline`]) is
-    /// shorter than the publisher's own timeout (and a twentieth of the lease to report).
-    fn too_late(&self, claimed_at: Instant) -> bool {
-        let lease = self.inner.options.lease;
-        if claimed_at.elapsed() > lease / 2 {
+    /// Whether it is too late to start a publish of a batch under `leases`: half the rows'
+    /// lease is gone, or what is left before the deadline ([`Relay::hard_deadline`]) is
+    /// shorter than the publisher's own timeout (and a twentieth of the lease to report);
+    /// or the cursor's lease, for a page of the log, is no longer held or has less than a
+    /// tenth of it left (it is renewed every fifth, so only a relay whose renewals stopped
+    /// reaching the database gets there).
+    fn too_late(&self, leases: &Leases) -> bool {
+        let options = &self.inner.options;
+        let lease = options.lease;
+        if leases.claimed_at.elapsed() > lease / 2 {
+            return true;
+        }
+        if let Some(cursor) = &leases.cursor
+            && cursor().is_none_or(|end| Instant::now() + options.cursor_lease / 10 >= end)
+        {
             return true;
         }
         let left = self
-            .hard_deadline(claimed_at)
+            .hard_deadline(leases.claimed_at)
             .saturating_duration_since(Instant::now());
         self.inner
             .publisher
             .timeout()
             .is_some_and(|timeout| left < timeout + lease / 20)
+    }
+
+    /// When publishes under `leases` with the deadline `by` are cut off, as known now: at
+    /// `by`, or a twentieth of the cursor's lease before it ends (at once, the batch's
+    /// claim being past, once the relay no longer holds it). Renewals move it on, so a
+    /// wait on it looks again when it comes.
+    fn cut_off(&self, leases: &Leases, by: Instant) -> Instant {
+        let Some(cursor) = &leases.cursor else {
+            return by;
+        };
+        let margin = self.inner.options.cursor_lease / 20;
+        cursor()
+            .map_or(leases.claimed_at, |end| {
+                end.checked_sub(margin).unwrap_or(end)
+            })
+            .min(by)
+    }
+
+    /// Runs `publish` until it ends or is cut off at [`Relay::cut_off`] of `by`: `None`.
+    async fn within<T>(
+        &self,
+        leases: &Leases,
+        by: Instant,
+        publish: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        tokio::pin!(publish);
+        loop {
+            let cut = self.cut_off(leases, by);
+            if let Ok(out) = tokio::time::timeout_at(cut, &mut publish).await {
+                return Some(out);
+            }
+            if Instant::now() >= self.cut_off(leases, by) {
+                return None;
+            }
+        }
     }
 
     /// No publish of a batch claimed at `claimed_at` may run past this: a tenth of the lease
@@ -509,14 +565,14 @@ impl<P: Publisher> Relay<P> {
             match pipelined {
                 Ok(Some(pipelined)) => {
                     begun.store(records.len(), Ordering::SeqCst);
-                    let deadline =
-                        (wave_start + self.own_timeout()).min(self.hard_deadline(wave.claimed_at));
+                    let deadline = (wave_start + self.own_timeout())
+                        .min(self.hard_deadline(wave.leases.claimed_at));
                     (all_results(pipelined, wave_start), Some(deadline))
                 }
                 Ok(None) => {
                     let started = Started {
                         stop: wave.drain.stop.clone(),
-                        claimed_at: wave.claimed_at,
+                        leases: wave.leases.clone(),
                         begun: &begun,
                         unavailable: &unavailable,
                     };
@@ -534,6 +590,8 @@ impl<P: Publisher> Relay<P> {
         let mut stall_check = tokio::time::interval_at(wave_start + stall_after, stall_after);
         let far = || Instant::now() + Duration::from_secs(86_400);
         loop {
+            // Looked at anew each time round: a renewal of the cursor's lease moves it on.
+            let cut = wave_deadline.map(|by| self.cut_off(wave.leases, by));
             tokio::select! {
                 item = stream.next() => {
                     let more = self.take_ready(item, &mut stream, &mut open, &unavailable, wave, outcomes, wave_start);
@@ -542,9 +600,20 @@ impl<P: Publisher> Relay<P> {
                     }
                     outcomes.flush_if_idle();
                 }
-                () = tokio::time::sleep_until(wave_deadline.unwrap_or_else(far)), if wave_deadline.is_some() => {
-                    let after = wave_deadline.unwrap_or(wave_start) - wave_start;
-                    self.settle_open(&mut open, || Some((Err(timed_out(after)), after)), wave, outcomes);
+                () = tokio::time::sleep_until(cut.unwrap_or_else(far)), if cut.is_some() => {
+                    let by = wave_deadline.unwrap_or(wave_start);
+                    let now = Instant::now();
+                    if now < self.cut_off(wave.leases, by) {
+                        continue;
+                    }
+                    if now < by {
+                        // The cursor's lease ran out: what is still open is left unpublished.
+                        self.cursor_lost(open.settled.iter().filter(|done| !**done).count());
+                        self.settle_open(&mut open, || None, wave, outcomes);
+                    } else {
+                        let after = by - wave_start;
+                        self.settle_open(&mut open, || Some((Err(timed_out(after)), after)), wave, outcomes);
+                    }
                     break;
                 }
                 _ = stall_check.tick() => {
@@ -604,17 +673,27 @@ impl<P: Publisher> Relay<P> {
             .boxed()
     }
 
+    /// Says that `publishes` under way were cut off because the cursor's lease ran out
+    /// under them.
+    fn cursor_lost(&self, publishes: usize) {
+        tracing::warn!(
+            table = %self.inner.outbox.table(), publishes,
+            "the log cursor's lease ran out while this relay published from it: publishes \
+             cut off, left to whichever relay takes the cursor next"
+        );
+    }
+
     /// One record's publish. Futures start when first polled: a record whose turn comes
     /// after shutdown, during an outage, or too late in the lease is never started (`None`:
     /// it is released).
     async fn publish_one(&self, record: &Record, wave: &Started<'_>) -> Published {
         wave.begun.fetch_add(1, Ordering::SeqCst);
         let stopping = *wave.stop.borrow();
-        if stopping || wave.unavailable.load(Ordering::SeqCst) || self.too_late(wave.claimed_at) {
+        if stopping || wave.unavailable.load(Ordering::SeqCst) || self.too_late(&wave.leases) {
             return None;
         }
         let started = Instant::now();
-        let hard = self.hard_deadline(wave.claimed_at);
+        let hard = self.hard_deadline(wave.leases.claimed_at);
         let deadline = (started + self.own_timeout()).min(hard).max(started);
         // The call itself may panic, not only its future.
         let publish =
@@ -625,10 +704,14 @@ impl<P: Publisher> Relay<P> {
                 let publish = AssertUnwindSafe(publish)
                     .catch_unwind()
                     .instrument(self.publish_span(record));
-                match tokio::time::timeout_at(deadline, publish).await {
-                    Ok(Ok(result)) => result,
-                    Ok(Err(_)) => Err(panicked()),
-                    Err(_) => Err(timed_out(deadline - started)),
+                match self.within(&wave.leases, deadline, publish).await {
+                    Some(Ok(result)) => result,
+                    Some(Err(_)) => Err(panicked()),
+                    None if Instant::now() < deadline => {
+                        self.cursor_lost(1);
+                        return None;
+                    }
+                    None => Err(timed_out(deadline - started)),
                 }
             }
         };

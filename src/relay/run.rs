@@ -612,7 +612,7 @@ mod tests {
     use crate::relay::outcome::{Claimed, OUTCOME_RELEASE, OUTCOME_SENT, Outcome};
     use crate::relay::pace::{EMPTY_MAX, LINGER};
     use crate::relay::publish::STALL;
-    use crate::relay::store::Store;
+    use crate::relay::store::{End, Finish, LeaseEnd, Store};
 
     #[derive(Debug)]
     struct Row {
@@ -642,6 +642,35 @@ mod tests {
         slow_claims: watch::Sender<bool>,
         /// While true, recording outcomes waits.
         slow_records: watch::Sender<bool>,
+        /// When set, every batch is published under a lease that ends then, as a page of
+        /// the log is under the cursor's (`None` inside: the relay lost it).
+        cursor: Mutex<Option<CursorEnd>>,
+    }
+
+    type CursorEnd = Arc<Mutex<Option<Instant>>>;
+
+    /// A batch's part under the lease of [`Memory::cursor`]; its outcomes are recorded
+    /// one by one, like the rest.
+    #[derive(Debug)]
+    struct UnderCursor(CursorEnd);
+
+    impl Finish for UnderCursor {
+        fn holds(&self, _: i64) -> bool {
+            false
+        }
+
+        fn settled(&self) -> usize {
+            0
+        }
+
+        fn lease_end(&self) -> Option<LeaseEnd> {
+            let end = self.0.clone();
+            Some(Arc::new(move || *end.lock().unwrap()))
+        }
+
+        fn finish(self: Box<Self>, _: Vec<Outcome>, _: End) -> BoxFuture<'static, usize> {
+            Box::pin(async { 0 })
+        }
     }
 
     impl Memory {
@@ -699,8 +728,16 @@ mod tests {
             if !ready.is_empty() {
                 self.claims.fetch_add(1, Ordering::SeqCst);
             }
+            let finish = self
+                .cursor
+                .lock()
+                .unwrap()
+                .clone()
+                .filter(|_| !ready.is_empty())
+                .map(|end| Box::new(UnderCursor(end)) as Box<dyn Finish>);
             let batch = Batch {
                 ready,
+                finish,
                 ..Batch::default()
             };
             let mut answers = self.slow_claims.subscribe();
@@ -770,6 +807,8 @@ mod tests {
         held: Option<Vec<String>>,
         open: Arc<watch::Sender<bool>>,
         started: Arc<Mutex<Vec<String>>>,
+        /// Publishes a wave as one pipelined batch, one record after another.
+        pipelined: bool,
     }
 
     impl Gate {
@@ -778,7 +817,13 @@ mod tests {
                 held: held.map(|keys| keys.iter().map(|k| (*k).to_owned()).collect()),
                 open: Arc::new(watch::channel(false).0),
                 started: Arc::default(),
+                pipelined: false,
             }
+        }
+
+        fn pipelined(mut self) -> Self {
+            self.pipelined = true;
+            self
         }
 
         fn open(&self) {
@@ -801,6 +846,18 @@ mod tests {
                 let _ = self.open.subscribe().wait_for(|open| *open).await;
             }
             Ok(())
+        }
+
+        fn publish_batch<'a>(
+            &'a self,
+            records: &'a [Record],
+        ) -> Option<crate::publisher::BatchResults<'a>> {
+            use futures_util::StreamExt;
+            self.pipelined.then(|| {
+                futures_util::stream::iter(records.iter().enumerate())
+                    .then(move |(i, record)| async move { (i, self.publish(record).await) })
+                    .boxed()
+            })
         }
     }
 
@@ -1163,5 +1220,87 @@ mod tests {
         memory.slow_records.send_replace(false);
         running.await.unwrap().unwrap();
         assert_eq!(memory.outcome_of("m0"), Some(OUTCOME_SENT));
+    }
+
+    /// A relay whose renewals of the cursor's lease stop reaching the database (it lost
+    /// the lease, or may have) cuts off the publish under way before the lease ends and
+    /// starts none after it: past it another relay may publish the same messages, and two
+    /// publishes of one aggregate would overlap.
+    #[tokio::test(start_paused = true)]
+    async fn publishes_under_the_cursors_lease_stop_before_it_ends() {
+        publishes_stop_before_the_cursors_lease_ends(Gate::holding(Some(&["m0"]))).await;
+        publishes_stop_before_the_cursors_lease_ends(Gate::holding(Some(&["m0"])).pipelined())
+            .await;
+    }
+
+    async fn publishes_stop_before_the_cursors_lease_ends(gate: Gate) {
+        let memory = Arc::new(Memory::default());
+        for i in 0..4 {
+            memory.add(&format!("m{i}"));
+        }
+        let cursor_lease = Duration::from_secs(5);
+        let end: CursorEnd = Arc::new(Mutex::new(Some(Instant::now() + cursor_lease)));
+        *memory.cursor.lock().unwrap() = Some(end.clone());
+        let relay = relay(&memory, &gate, |b| {
+            b.batch_size(4).concurrency(1).cursor_lease(cursor_lease)
+        });
+        let (stop, task) = spawn(&relay);
+        until("m0's publish started", || gate.started() == ["m0"]).await;
+        let started = Instant::now();
+        until("m0 released", || {
+            memory.outcome_of("m0") == Some(OUTCOME_RELEASE)
+        })
+        .await;
+        let cut_after = started.elapsed();
+        assert!(
+            cut_after < cursor_lease,
+            "cut off only after {cut_after:?}, past the lease"
+        );
+        // Whatever the relay claims again is under the same lease, which ran out.
+        tokio::time::sleep(cursor_lease).await;
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+        assert_eq!(gate.started(), ["m0"], "nothing started after the lease");
+        for key in ["m1", "m2", "m3"] {
+            assert_eq!(memory.outcome_of(key), Some(OUTCOME_RELEASE), "{key}");
+        }
+    }
+
+    /// While the cursor's lease is renewed, a publish may outlast many leases.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewed_cursor_lease_keeps_a_long_publish() {
+        let memory = Arc::new(Memory::default());
+        memory.add("m0");
+        memory.add("m1");
+        let cursor_lease = Duration::from_secs(5);
+        let end: CursorEnd = Arc::new(Mutex::new(Some(Instant::now() + cursor_lease)));
+        *memory.cursor.lock().unwrap() = Some(end.clone());
+        let renewals = tokio::spawn({
+            let end = end.clone();
+            async move {
+                loop {
+                    tokio::time::sleep(cursor_lease / 5).await;
+                    *end.lock().unwrap() = Some(Instant::now() + cursor_lease);
+                }
+            }
+        });
+        let gate = Gate::holding(Some(&["m0"]));
+        let relay = relay(&memory, &gate, |b| {
+            b.batch_size(2).concurrency(1).cursor_lease(cursor_lease)
+        });
+        let (stop, task) = spawn(&relay);
+        until("m0's publish started", || gate.started() == ["m0"]).await;
+        tokio::time::sleep(4 * cursor_lease).await;
+        assert_eq!(memory.outcome_of("m0"), None, "m0 still publishing");
+        gate.open();
+        until("both sent", || {
+            memory.outcome_of("m0") == Some(OUTCOME_SENT)
+                && memory.outcome_of("m1") == Some(OUTCOME_SENT)
+        })
+        .await;
+        let _ = stop.send(());
+        task.await.unwrap().unwrap();
+        renewals.abort();
+        assert_eq!(gate.started(), ["m0", "m1"]);
     }
 }

@@ -14,6 +14,7 @@
 //! tests (`run.rs`) drive it on a table in memory.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -160,11 +161,20 @@ impl Batch {
     }
 }
 
+/// Until when a lease that a heartbeat renews holds, as the relay knows it at each call
+/// (`None`: the relay holds it no more).
+pub(crate) type LeaseEnd = Arc<dyn Fn() -> Option<Instant> + Send + Sync>;
+
 /// The part of a batch whose outcomes are settled together once the batch is over: a page
 /// of the log, which moves its cursor past the page in one write.
 pub(crate) trait Finish: Send + fmt::Debug {
     /// Whether the outcome of row `id` is this part's to settle.
     fn holds(&self, id: i64) -> bool;
+    /// The end of the lease the part is published under, when it is not its rows' own (a
+    /// page of the log: the cursor's). No publish of the batch starts near it, and those
+    /// under way are cut off when it comes: past it another relay may publish the same
+    /// messages.
+    fn lease_end(&self) -> Option<LeaseEnd>;
     /// Rows it settled itself, without a publish (counted among the claimed).
     fn settled(&self) -> usize;
     /// Settles the part with the outcomes of its records (those known: a record without

@@ -30,8 +30,29 @@ pub(super) const TAKE_RETRY: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 struct Held {
     row: CursorRow,
+    /// The last take or renewal that reached the database: asked then, for that long.
+    /// The database's lease ends no earlier than its end, since the statement ran after
+    /// it was asked.
+    renewed: Renewal,
+}
+
+/// A take or renewal of the lease, asked at `asked` for `lease`.
+#[derive(Debug, Clone, Copy)]
+struct Renewal {
+    asked: Instant,
+    lease: Duration,
+}
+
+impl Renewal {
     /// When the lease should be renewed: half of it gone.
-    renew_at: Instant,
+    fn due(self) -> Instant {
+        self.asked + self.lease / 2
+    }
+
+    /// When the lease ends unless renewed again, as this relay can be sure of it.
+    fn end(self) -> Instant {
+        self.asked + self.lease
+    }
 }
 
 /// The relay's knowledge of the cursor.
@@ -132,7 +153,7 @@ impl Cursor {
     /// What to do about the lease at `now`.
     pub(super) fn lease(&self, now: Instant) -> Lease {
         if let Some(held) = &self.held
-            && now < held.renew_at
+            && now < held.renewed.due()
         {
             return Lease::Held;
         }
@@ -168,20 +189,20 @@ impl Cursor {
             return Taken::Not;
         };
         self.retry_at = None;
-        let renew_at = asked + lease / 2;
+        let renewed = Renewal { asked, lease };
         let Some(held) = self.held.as_mut().filter(|h| h.row.token == row.token) else {
             let taken = Taken::Anew {
                 token: row.token,
                 tick: row.tick,
             };
-            self.adopt(row, renew_at);
+            self.adopt(row, renewed);
             return taken;
         };
         let unsure = !self.in_flight.is_empty() || version != self.version;
         if unsure || held.row.same_place(&row) {
             // Keep what this relay's own finishes wrote since, and the attempts it counted
             // in memory.
-            held.renew_at = renew_at;
+            held.renewed = renewed;
             return Taken::Renewed;
         }
         let moved = Taken::Moved {
@@ -189,7 +210,7 @@ impl Cursor {
             to: row.after,
             tick: row.tick,
         };
-        self.adopt(row, renew_at);
+        self.adopt(row, renewed);
         moved
     }
 
@@ -209,7 +230,7 @@ impl Cursor {
             && held.row.token == row.token
         {
             self.retry_at = None;
-            held.renew_at = asked + lease / 2;
+            held.renewed = Renewal { asked, lease };
             return Taken::Renewed;
         }
         self.taken(row, asked, lease, version)
@@ -246,7 +267,7 @@ impl Cursor {
         self.tick_read = row.after >= row.ceiling;
         self.held = Some(Held {
             row,
-            renew_at: asked + lease / 2,
+            renewed: Renewal { asked, lease },
         });
     }
 
@@ -274,17 +295,17 @@ impl Cursor {
             to: row.after,
             tick: row.tick,
         };
-        self.adopt(row, asked + lease / 2);
+        self.adopt(row, Renewal { asked, lease });
         moved
     }
 
     /// Holds `row` as the database has it, reading from its position.
-    fn adopt(&mut self, row: CursorRow, renew_at: Instant) {
+    fn adopt(&mut self, row: CursorRow, renewed: Renewal) {
         self.generation += 1;
         self.version += 1;
         self.read_to = row.after;
         self.tick_read = row.after >= row.ceiling;
-        self.held = Some(Held { row, renew_at });
+        self.held = Some(Held { row, renewed });
     }
 
     /// A read from `at` found nothing.
@@ -405,6 +426,17 @@ impl Cursor {
         self.version += 1;
     }
 
+    /// Until when the lease under `token` holds, as this relay can be sure of it (`None`:
+    /// it holds the cursor under no such token now). Past it another relay may have taken
+    /// the cursor over and be publishing what this relay read: a page read under `token`
+    /// starts no publish once it is near, and cuts off those under way when it comes.
+    pub(super) fn held_until(&self, token: i64) -> Option<Instant> {
+        self.held
+            .as_ref()
+            .filter(|h| h.row.token == token)
+            .map(|h| h.renewed.end())
+    }
+
     /// The token of the cursor held, to give it back.
     pub(super) fn token(&self) -> Option<i64> {
         self.held.as_ref().map(|h| h.row.token)
@@ -501,6 +533,32 @@ mod tests {
             Next::Open(at) => assert_eq!((at.after, at.ceiling), (10, 10)),
             other => panic!("expected an open, got {other:?}"),
         }
+    }
+
+    /// The lease a page is published under ends a lease after the last renewal was asked,
+    /// and at once for a page of a token the relay no longer holds.
+    #[test]
+    fn the_lease_held_ends_a_lease_after_its_last_renewal_was_asked() {
+        let mut c = Cursor::default();
+        let asked = Instant::now();
+        c.taken(Some(row(7, 1, 0, 10)), asked, LEASE, c.version());
+        assert_eq!(c.held_until(7), Some(asked + LEASE));
+        assert_eq!(c.held_until(8), None, "another token");
+        let later = asked + LEASE / 5;
+        assert_eq!(
+            c.kept(Some(row(7, 1, 0, 10)), later, LEASE, c.version()),
+            Taken::Renewed
+        );
+        assert_eq!(c.held_until(7), Some(later + LEASE), "renewed");
+        // Another relay took it over: the heartbeat's take finds nothing.
+        assert_eq!(c.kept(None, later, LEASE, c.version()), Taken::Not);
+        assert_eq!(c.held_until(7), None);
+        // Taken again under a new token: a page of the old one stays out of it.
+        c.taken(Some(row(9, 1, 0, 10)), later, LEASE, c.version());
+        assert_eq!(
+            (c.held_until(7), c.held_until(9)),
+            (None, Some(later + LEASE))
+        );
     }
 
     /// A heartbeat answered with a tick this relay opened, before its view took the open

@@ -15,7 +15,7 @@ use crate::relay::limits::RECORD_GRACE;
 use crate::relay::outcome::{
     OUTCOME_DEAD, OUTCOME_MOVE, OUTCOME_RELEASE, OUTCOME_RETRY, OUTCOME_SENT, Outcome,
 };
-use crate::relay::store::{End, Finish};
+use crate::relay::store::{End, Finish, LeaseEnd};
 use crate::shutdown::retry_until;
 
 /// A page of the log in a batch: what its finish needs.
@@ -241,6 +241,11 @@ impl Finish for Page {
 
     fn settled(&self) -> usize {
         self.handed.len()
+    }
+
+    fn lease_end(&self) -> Option<LeaseEnd> {
+        let (log, token) = (self.log.clone(), self.guard.token);
+        Some(Arc::new(move || log.cursor().held_until(token)))
     }
 
     fn finish(self: Box<Self>, outcomes: Vec<Outcome>, end: End) -> BoxFuture<'static, usize> {
