@@ -409,3 +409,28 @@ async fn topic_configs_go_with_the_topics_declare_creates() {
         "left as it was"
     );
 }
+
+/// A publisher started without a broker (`connect_lazy`, the cluster out of reach): the
+/// relay is not ready and says why, spends no attempt, and publishes everything on its
+/// first attempt once the cluster answers.
+#[tokio::test]
+async fn a_lazy_publisher_starts_while_the_cluster_is_down() {
+    if skipped("a_lazy_publisher_starts_while_the_cluster_is_down") {
+        return;
+    }
+    let mut f = fixture().await;
+    let (prefix, topic) = topic(&brokers(), "t", 1).await;
+    let upstream = std::net::ToSocketAddrs::to_socket_addrs(&brokers())
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = common::proxy::FaultProxy::start(upstream).await;
+    proxy.set_down(true);
+    let publisher = KafkaPublisher::builder(proxy.addr.to_string())
+        .topic_prefix(&prefix)
+        .delivery_timeout(Duration::from_secs(2))
+        .connect_lazy()
+        .unwrap();
+    f.starts_without_the_broker(&proxy, publisher).await;
+    assert_eq!(read(&brokers(), &[topic], 1, 10).await.len(), 10);
+}

@@ -207,3 +207,28 @@ async fn the_topology_declares_a_stream_and_a_durable_and_a_missing_durable_fail
     let js = async_nats::jetstream::new(common::nats::connect().await);
     js.delete_stream(&name).await.unwrap();
 }
+
+/// A publisher started without a server (`connect_lazy`, the server down): the relay is
+/// not ready and says why, spends no attempt, and publishes everything on its first
+/// attempt once the server is up.
+#[tokio::test]
+async fn a_lazy_publisher_starts_while_the_server_is_down() {
+    let mut f = fixture().await;
+    let stream = TestStream::new().await;
+    let upstream = nats_url()
+        .trim_start_matches("nats://")
+        .to_socket_addrs()
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    proxy.set_down(true);
+    let publisher = JetStreamPublisher::builder(format!("nats://{}", proxy.addr))
+        .subject_prefix(&stream.prefix)
+        .ack_timeout(Duration::from_secs(2))
+        .connect_lazy()
+        .await
+        .unwrap();
+    f.starts_without_the_broker(&proxy, publisher).await;
+    assert_eq!(stream.stored().await, 10);
+}

@@ -753,3 +753,31 @@ async fn the_topology_declares_what_the_relay_and_consumers_need() {
     );
     common::broker::delete(&[&queue, &dead], &[&exchange, &dead]).await;
 }
+
+/// A publisher started without its broker (`connect_lazy`, the broker down): the relay is
+/// not ready and says why, spends no attempt, and publishes everything on its first
+/// attempt once the broker is up. A malformed URL is still refused at start.
+#[tokio::test]
+async fn a_lazy_publisher_starts_while_the_broker_is_down() {
+    let mut f = fixture().await;
+    let broker = TestBroker::new("#").await;
+    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
+    let proxy = FaultProxy::start(upstream).await;
+    proxy.set_down(true);
+    let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), &broker.exchange)
+        .confirm_timeout(Duration::from_secs(2))
+        .connect_lazy()
+        .unwrap();
+    f.starts_without_the_broker(&proxy, publisher).await;
+    let mut consumer = broker.consumer().await;
+    let mut delivered = 0;
+    while common::broker::next(&mut consumer, QUIET).await.is_some() {
+        delivered += 1;
+    }
+    assert_eq!(delivered, 10);
+    let bad = RabbitMqPublisher::builder("amqp://guest:s3cret@[bad", &broker.exchange)
+        .connect_lazy()
+        .unwrap_err();
+    assert!(matches!(bad, Error::InvalidOption(_)), "{bad:?}");
+    assert!(!bad.to_string().contains("s3cret"), "{bad}");
+}

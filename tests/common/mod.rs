@@ -399,6 +399,48 @@ impl Fixture {
         outage
     }
 
+    /// A relay on a publisher started without its broker (`connect_lazy`, the broker
+    /// behind `proxy`, down): it is not ready and says why, spends no attempt while the
+    /// broker stays down, and publishes every message on its first attempt once the broker
+    /// is up.
+    pub async fn starts_without_the_broker<P: diesel_outbox::Publisher>(
+        &mut self,
+        proxy: &proxy::FaultProxy,
+        publisher: P,
+    ) {
+        let relay = self.outage_relay(publisher);
+        let (stop, task) = spawn_relay(relay.clone());
+        for i in 0..10 {
+            self.enqueue(diesel_outbox::Message::new("t", "x").key(format!("k{i}")))
+                .await;
+        }
+        let reasons =
+            eventually(
+                DEADLINE,
+                "the relay to say it cannot reach the broker",
+                || {
+                    let health = relay.health();
+                    async move {
+                        (!health.ready && !health.reasons.is_empty()).then_some(health.reasons)
+                    }
+                },
+            )
+            .await;
+        assert!(
+            reasons.iter().any(|r| r.contains("broker")),
+            "not ready, but not for the broker: {reasons:?}"
+        );
+        self.ride_out_outage().await;
+        proxy.set_down(false);
+        self.wait_rows("status = 'sent' AND attempts = 1", 10).await;
+        eventually(DEADLINE, "the relay to be ready", || {
+            let ready = relay.health().ready;
+            async move { ready.then_some(()) }
+        })
+        .await;
+        stop_relay(stop, task).await;
+    }
+
     pub async fn enqueue(&mut self, msg: diesel_outbox::Message) -> String {
         self.outbox
             .enqueue_alone(&mut self.conn, msg)

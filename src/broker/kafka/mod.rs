@@ -307,6 +307,42 @@ impl KafkaPublisherBuilder {
     /// gave: a refused connection, a certificate that failed verification, a refused
     /// login).
     pub async fn connect(self) -> Result<KafkaPublisher> {
+        let publisher = self.validated()?;
+        let producer = publisher.live_producer().map_err(Error::InvalidOption)?.1;
+        reachable(
+            &producer,
+            &publisher.observed,
+            &publisher.endpoint,
+            publisher.delivery_timeout,
+        )
+        .await?;
+        tracing::info!(endpoint = %publisher.endpoint, "connected to Kafka");
+        Ok(publisher)
+    }
+
+    /// Validates the settings and makes the producer without waiting for a broker: it
+    /// connects by itself, now or once a broker answers, and while none does the relay
+    /// counts an outage (no attempt spent, [`Health`](crate::Health) not ready, saying
+    /// why). For a service that must take requests while Kafka is down, at deploy time
+    /// too.
+    ///
+    /// Only what can be checked without a broker is checked here: a refused login or a
+    /// certificate that does not verify shows as an outage naming it, not as an error at
+    /// start. Use [`connect`](Self::connect) where Kafka should be up at start.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] as for [`connect`](Self::connect).
+    pub fn connect_lazy(self) -> Result<KafkaPublisher> {
+        let publisher = self.validated()?;
+        tracing::info!(
+            endpoint = %publisher.endpoint,
+            "Kafka publisher started; it connects in the background"
+        );
+        Ok(publisher)
+    }
+
+    /// The publisher the settings make, with its producer, checked without a broker.
+    fn validated(self) -> Result<KafkaPublisher> {
         let endpoint = brokers(&self.brokers).map_err(Error::InvalidOption)?;
         if !self.prefix.is_empty() {
             properties::check_topic(&format!("{}x", self.prefix)).map_err(|why| {
@@ -338,8 +374,6 @@ impl KafkaPublisherBuilder {
         let observed = Observed::default();
         let producer =
             producer(&config, self.delivery_timeout, &observed).map_err(Error::InvalidOption)?;
-        reachable(&producer, &observed, &endpoint, self.delivery_timeout).await?;
-        tracing::info!(endpoint = %endpoint, "connected to Kafka");
         Ok(KafkaPublisher {
             endpoint,
             prefix: self.prefix,

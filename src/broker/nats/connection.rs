@@ -221,6 +221,44 @@ impl Servers {
         name: &str,
         timeout: Duration,
     ) -> Result<(Client, watch::Receiver<u64>), String> {
+        let (options, lost) = self.client_options(name, timeout);
+        let connecting = options.connect(self.addrs.clone());
+        match tokio::time::timeout(timeout + Duration::from_secs(1), connecting).await {
+            Ok(Ok(client)) => Ok((client, lost)),
+            Ok(Err(e)) => Err(format!(
+                "connecting to NATS at {} failed: {e}",
+                self.endpoint
+            )),
+            Err(_) => Err(format!(
+                "connecting to NATS at {}: no answer within {timeout:?}",
+                self.endpoint
+            )),
+        }
+    }
+
+    /// A client that connects in the background, now or once a server answers, and then
+    /// as [`Servers::connect`]'s.
+    pub(crate) async fn connect_lazy(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<(Client, watch::Receiver<u64>), String> {
+        let (options, lost) = self.client_options(name, timeout);
+        let client = options
+            .retry_on_initial_connect()
+            .connect(self.addrs.clone())
+            .await
+            .map_err(|e| format!("starting a NATS client for {} failed: {e}", self.endpoint))?;
+        Ok((client, lost))
+    }
+
+    /// The client's options: named `name`, each connection attempt within `timeout`,
+    /// reconnecting for ever, every lost connection counted.
+    fn client_options(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> (async_nats::ConnectOptions, watch::Receiver<u64>) {
         let (lost, watch) = watch::channel(0u64);
         let endpoint = self.endpoint.clone();
         let options = self
@@ -241,18 +279,7 @@ impl Servers {
                 }
                 std::future::ready(())
             });
-        let connecting = options.connect(self.addrs.clone());
-        match tokio::time::timeout(timeout + Duration::from_secs(1), connecting).await {
-            Ok(Ok(client)) => Ok((client, watch)),
-            Ok(Err(e)) => Err(format!(
-                "connecting to NATS at {} failed: {e}",
-                self.endpoint
-            )),
-            Err(_) => Err(format!(
-                "connecting to NATS at {}: no answer within {timeout:?}",
-                self.endpoint
-            )),
-        }
+        (options, watch)
     }
 }
 

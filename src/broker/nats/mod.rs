@@ -216,18 +216,7 @@ impl JetStreamPublisherBuilder {
     /// no stream captures the subject prefix; [`Error::Publish`] when no server answers
     /// (naming the cause, such as a certificate that does not verify).
     pub async fn connect(self) -> Result<JetStreamPublisher> {
-        let servers = secured(&self.url, self.credentials.as_ref(), self.tls.as_ref())
-            .map_err(Error::InvalidOption)?;
-        if !self.prefix.is_empty() {
-            properties::check_subject(&format!("{}x", self.prefix)).map_err(|why| {
-                Error::InvalidOption(format!("subject_prefix cannot start a subject: {why}"))
-            })?;
-        }
-        if self.ack_timeout.is_zero() {
-            return Err(Error::InvalidOption(
-                "ack_timeout must be above zero".into(),
-            ));
-        }
+        let servers = self.validated()?;
         let (client, lost) = servers
             .connect("diesel-outbox relay", self.ack_timeout)
             .await
@@ -240,7 +229,57 @@ impl JetStreamPublisherBuilder {
                 servers.endpoint, self.prefix
             )));
         }
-        Ok(JetStreamPublisher {
+        Ok(self.publisher(servers, client, lost))
+    }
+
+    /// Validates the settings and starts without a server: the client connects in the
+    /// background, now or once a server answers, and while it is not connected the relay
+    /// counts an outage (no attempt spent, [`Health`](crate::Health) not ready, saying
+    /// why). For a service that must take requests while NATS is down, at deploy time too.
+    ///
+    /// Only what can be checked without a server is checked here: a refused login or no
+    /// stream for the subjects shows as an outage (or a failed publish) naming it, not as
+    /// an error at start. Use [`connect`](Self::connect) where NATS should be up at start.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] as for [`connect`](Self::connect).
+    pub async fn connect_lazy(self) -> Result<JetStreamPublisher> {
+        let servers = self.validated()?;
+        let (client, lost) = servers
+            .connect_lazy("diesel-outbox relay", self.ack_timeout)
+            .await
+            .map_err(|why| Error::Publish(PublishError::unavailable(why).into()))?;
+        tracing::info!(
+            endpoint = %servers.endpoint,
+            "NATS publisher started; its client connects in the background"
+        );
+        Ok(self.publisher(servers, client, lost))
+    }
+
+    /// The servers, credentials and TLS the settings make, checked without a server.
+    fn validated(&self) -> Result<Servers> {
+        let servers = secured(&self.url, self.credentials.as_ref(), self.tls.as_ref())
+            .map_err(Error::InvalidOption)?;
+        if !self.prefix.is_empty() {
+            properties::check_subject(&format!("{}x", self.prefix)).map_err(|why| {
+                Error::InvalidOption(format!("subject_prefix cannot start a subject: {why}"))
+            })?;
+        }
+        if self.ack_timeout.is_zero() {
+            return Err(Error::InvalidOption(
+                "ack_timeout must be above zero".into(),
+            ));
+        }
+        Ok(servers)
+    }
+
+    fn publisher(
+        self,
+        servers: Servers,
+        client: Client,
+        lost: watch::Receiver<u64>,
+    ) -> JetStreamPublisher {
+        JetStreamPublisher {
             endpoint: servers.endpoint,
             prefix: self.prefix,
             jetstream: context(&client, self.ack_timeout),
@@ -248,7 +287,7 @@ impl JetStreamPublisherBuilder {
             ack_timeout_set: self.ack_timeout_set,
             client,
             lost,
-        })
+        }
     }
 }
 

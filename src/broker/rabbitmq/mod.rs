@@ -208,24 +208,7 @@ impl RabbitMqPublisherBuilder {
     /// broker cannot be reached (naming the cause, such as a certificate that does not
     /// verify).
     pub async fn connect(self) -> Result<RabbitMqPublisher> {
-        let endpoint = Endpoint::new(&self.url, self.tls.as_ref()).map_err(Error::InvalidOption)?;
-        let exchange = ShortString::try_new(self.exchange)
-            .map_err(|_| Error::InvalidOption("exchange name is over 255 bytes".into()))?;
-        if self.confirm_timeout.is_zero() {
-            return Err(Error::InvalidOption(
-                "confirm_timeout must be above zero".into(),
-            ));
-        }
-        let publisher = RabbitMqPublisher {
-            connection_name: format!("diesel-outbox publisher to {}", exchange.as_str()),
-            endpoint,
-            exchange,
-            mandatory: self.mandatory,
-            confirm_timeout: self.confirm_timeout,
-            confirm_timeout_set: self.confirm_timeout_set,
-            link: Arc::new(Mutex::new(Link::default())),
-            blocks: Blocks::default(),
-        };
+        let publisher = self.validated()?;
         let lent = publisher
             .channel()
             .await
@@ -261,6 +244,48 @@ impl RabbitMqPublisherBuilder {
             }
         }
         Ok(publisher)
+    }
+
+    /// Validates the settings and starts without the broker: the publisher connects at its
+    /// first publish, and while it cannot, the relay counts an outage (no attempt spent,
+    /// [`Health`](crate::Health) not ready, saying why). For a service that must take
+    /// requests while its broker is down, at deploy time too.
+    ///
+    /// Only what can be checked without the broker is checked here: a refused login or a
+    /// missing exchange shows as an outage naming it, not as an error at start. Use
+    /// [`connect`](Self::connect) where the broker should be up at start.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] as for [`connect`](Self::connect).
+    pub fn connect_lazy(self) -> Result<RabbitMqPublisher> {
+        let publisher = self.validated()?;
+        tracing::info!(
+            endpoint = %publisher.endpoint.name,
+            "RabbitMQ publisher started; it connects at its first publish"
+        );
+        Ok(publisher)
+    }
+
+    /// The publisher the settings make, checked without the broker.
+    fn validated(self) -> Result<RabbitMqPublisher> {
+        let endpoint = Endpoint::new(&self.url, self.tls.as_ref()).map_err(Error::InvalidOption)?;
+        let exchange = ShortString::try_new(self.exchange)
+            .map_err(|_| Error::InvalidOption("exchange name is over 255 bytes".into()))?;
+        if self.confirm_timeout.is_zero() {
+            return Err(Error::InvalidOption(
+                "confirm_timeout must be above zero".into(),
+            ));
+        }
+        Ok(RabbitMqPublisher {
+            connection_name: format!("diesel-outbox publisher to {}", exchange.as_str()),
+            endpoint,
+            exchange,
+            mandatory: self.mandatory,
+            confirm_timeout: self.confirm_timeout,
+            confirm_timeout_set: self.confirm_timeout_set,
+            link: Arc::new(Mutex::new(Link::default())),
+            blocks: Blocks::default(),
+        })
     }
 }
 
