@@ -19,6 +19,11 @@
 //! (`127.0.0.1:3000`; port 0 picks a free one, printed on stdout), `EXCHANGE` (`shop`) and
 //! `QUEUE` (`shop.invoicing`). It creates its tables (`orders`, `invoices`, the outbox's)
 //! and declares its exchange and queue if they are missing.
+//!
+//! It takes orders while RabbitMQ is down, at start too: the publisher starts without the
+//! broker (`connect_lazy`), the topology is declared once the broker answers, and the
+//! events wait in the outbox meanwhile. `/readyz` says so (503, "broker unavailable");
+//! `/livez` stays 200.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -281,10 +286,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     outbox.migrate(&mut conn).await?;
     conn.batch_execute(TABLES).await?;
     drop(conn);
-    Topology::exchange(&exchange)
-        .queue(&queue, "order.*")
-        .declare(&amqp_url)
-        .await?;
+    // Declared now if the broker answers, else as soon as it does; orders are taken
+    // meanwhile, and their events wait in the outbox.
+    let topology = Topology::exchange(&exchange).queue(&queue, "order.*");
+    if let Err(e) = topology.declare(&amqp_url).await {
+        tracing::warn!(error = %e, "cannot declare the exchange and queue yet: retrying in the background");
+        let amqp_url = amqp_url.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if topology.declare(&amqp_url).await.is_ok() {
+                    tracing::info!("exchange and queue declared");
+                    return;
+                }
+            }
+        });
+    }
 
     // One pool for the requests, the relay and the consumer.
     let pool: PgPool = PgPool::builder()
@@ -292,9 +309,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .connection_timeout(Duration::from_secs(5))
         .build(diesel_outbox::connection_manager(&database_url))
         .await?;
-    let publisher = RabbitMqPublisher::builder(&amqp_url, &exchange)
-        .connect()
-        .await?;
+    // Starts without the broker when it is down: the relay then holds the events back
+    // (spending no attempt) and reports the outage in its health.
+    let publisher = RabbitMqPublisher::builder(&amqp_url, &exchange).connect_lazy()?;
     let relay = Arc::new(outbox.relay(pool.clone(), publisher).build()?);
     let consumer = Arc::new(
         Consumer::builder(outbox, pool.clone(), "invoicing")

@@ -87,11 +87,11 @@ async fn numbers(conn: &mut AsyncPgConnection, sql: &str) -> Vec<i64> {
         .collect()
 }
 
-/// Starts the service; returns it with the address it printed.
-fn start(db: &Database, exchange: &str) -> (Child, SocketAddr) {
+/// Starts the service on the broker at `amqp_url`; returns it with the address it printed.
+fn start(db: &Database, amqp_url: &str, exchange: &str) -> (Child, SocketAddr) {
     let mut child = Command::new(example())
         .env("DATABASE_URL", &db.url)
-        .env("AMQP_URL", common::broker::amqp_url())
+        .env("AMQP_URL", amqp_url)
         .env("LISTEN_ADDR", "127.0.0.1:0")
         .env("EXCHANGE", exchange)
         .env("QUEUE", format!("{exchange}.invoicing"))
@@ -117,7 +117,7 @@ fn start(db: &Database, exchange: &str) -> (Child, SocketAddr) {
 async fn the_example_service_takes_orders_and_invoices_each_exactly_once() {
     let db = Database::create().await;
     let exchange = common::unique("svc");
-    let (mut service, addr) = start(&db, &exchange);
+    let (service, addr) = start(&db, &common::broker::amqp_url(), &exchange);
     let (code, body) = common::eventually(common::DEADLINE, "/readyz to answer 200", || async {
         common::http::get(addr, "/readyz").filter(|(code, _)| *code == 200)
     })
@@ -183,6 +183,40 @@ async fn the_example_service_takes_orders_and_invoices_each_exactly_once() {
     );
 
     // SIGTERM: the server stops, the relay forgets its record, the process exits 0.
+    terminate(service).await;
+    let relays = numbers(&mut conn, "SELECT count(*) AS n FROM outbox_relays").await;
+    assert_eq!(relays, [0], "the relay drained and removed its record");
+    assert!(
+        common::http::get(addr, "/readyz").is_none(),
+        "nothing listens any more"
+    );
+    let again = numbers(&mut conn, "SELECT count(*) AS n FROM invoices").await;
+    assert_eq!(again, [4]);
+    drop(conn);
+
+    forget(&exchange).await;
+    db.drop_it().await;
+}
+
+/// Deletes the exchange and queues the service declared for `exchange`.
+async fn forget(exchange: &str) {
+    let mq = common::broker::connect().await;
+    let channel = mq.create_channel().await.unwrap();
+    for queue in [
+        format!("{exchange}.invoicing"),
+        format!("{exchange}.invoicing.dead"),
+    ] {
+        let _ = channel
+            .queue_delete(queue.as_str().into(), Default::default())
+            .await;
+    }
+    let _ = channel
+        .exchange_delete(exchange.into(), Default::default())
+        .await;
+}
+
+/// Sends SIGTERM and waits for a clean exit.
+async fn terminate(mut service: Child) {
     let pid = service.id().to_string();
     assert!(
         Command::new("kill")
@@ -197,28 +231,66 @@ async fn the_example_service_takes_orders_and_invoices_each_exactly_once() {
     })
     .await;
     assert!(status.success(), "{status:?}");
-    let relays = numbers(&mut conn, "SELECT count(*) AS n FROM outbox_relays").await;
-    assert_eq!(relays, [0], "the relay drained and removed its record");
-    assert!(
-        common::http::get(addr, "/readyz").is_none(),
-        "nothing listens any more"
-    );
-    let again = numbers(&mut conn, "SELECT count(*) AS n FROM invoices").await;
-    assert_eq!(again, [4]);
-    drop(conn);
+}
 
-    let mq = common::broker::connect().await;
-    let channel = mq.create_channel().await.unwrap();
-    for queue in [
-        format!("{exchange}.invoicing"),
-        format!("{exchange}.invoicing.dead"),
-    ] {
-        let _ = channel
-            .queue_delete(queue.as_str().into(), Default::default())
-            .await;
+/// Started while RabbitMQ is down, the service takes orders, says in `/readyz` that the
+/// broker is unavailable, and invoices them once the broker is up.
+// Two worker threads: the fault proxy answers while `start` waits for the service's line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_service_takes_orders_while_the_broker_is_down() {
+    use std::net::ToSocketAddrs;
+    let db = Database::create().await;
+    let exchange = common::unique("svc");
+    let upstream = common::broker::amqp_authority()
+        .to_socket_addrs()
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = common::proxy::FaultProxy::start(upstream).await;
+    proxy.set_down(true);
+    let (service, addr) = start(&db, &common::broker::amqp_url_via(proxy.addr), &exchange);
+    let (code, answer) = common::eventually(common::DEADLINE, "an order taken", || async {
+        common::http::request(
+            addr,
+            "POST",
+            "/orders",
+            Some(r#"{"customer": "ada", "total": 1200}"#),
+        )
+        .filter(|(code, _)| *code == 201)
+    })
+    .await;
+    let id: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    let id = id["id"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{code} {answer}"));
+    let (_, body) = common::eventually(common::DEADLINE, "/readyz to name the broker", || async {
+        common::http::get(addr, "/readyz")
+            .filter(|(code, body)| *code == 503 && body.contains("broker unavailable"))
+    })
+    .await;
+    assert!(body.contains("\"ok\":false"), "{body}");
+    assert_eq!(common::http::get(addr, "/livez").unwrap().0, 200);
+
+    proxy.set_down(false);
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    let deadline = tokio::time::Instant::now() + common::DEADLINE;
+    loop {
+        let invoiced = numbers(&mut conn, "SELECT order_id AS n FROM invoices").await;
+        if invoiced == [id] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "invoiced {invoiced:?}, not [{id}], after the broker came up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let _ = channel
-        .exchange_delete(exchange.as_str().into(), Default::default())
-        .await;
+    common::eventually(common::DEADLINE, "/readyz to answer 200", || async {
+        common::http::get(addr, "/readyz").filter(|(code, _)| *code == 200)
+    })
+    .await;
+    terminate(service).await;
+    drop(conn);
+    forget(&exchange).await;
     db.drop_it().await;
 }

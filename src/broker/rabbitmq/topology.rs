@@ -9,7 +9,11 @@ use lapin::{Channel, ExchangeKind};
 use super::Endpoint;
 use super::connection::classify;
 use crate::error::{Error, Result};
+use crate::publisher::PublishError;
 use crate::tls::Tls;
+
+/// How long a declaration waits for the broker: to connect, and then for its answers.
+const DECLARE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What a relay and its consumers need on RabbitMQ, declared in one call: a durable topic
 /// exchange for the relay, and for each consumer a durable queue bound to it, whose
@@ -76,17 +80,41 @@ impl Topology {
     /// # Errors
     /// [`Error::InvalidOption`] for a malformed URL, a name over 255 bytes, or something that
     /// exists with other settings (named); [`Error::Publish`] when the broker cannot be
-    /// reached.
+    /// reached or does not answer within 10 s.
     pub async fn declare(&self, url: &str) -> Result<()> {
         let endpoint = Endpoint::new(url, self.tls.as_ref()).map_err(Error::InvalidOption)?;
         let unreachable = |e: lapin::Error| {
             Error::Publish(classify(&e, format!("RabbitMQ at {}: {e}", endpoint.name)).into())
         };
-        let connection = endpoint
-            .connect("diesel-outbox declare")
-            .await
-            .map_err(unreachable)?;
-        let declared = self.declare_on(&connection, &endpoint.name).await;
+        // A broker that takes the connection and never answers must not hold the caller
+        // for ever.
+        let connection =
+            tokio::time::timeout(DECLARE_TIMEOUT, endpoint.connect("diesel-outbox declare"))
+                .await
+                .map_err(|_| {
+                    Error::Publish(
+                        PublishError::unavailable(format!(
+                            "RabbitMQ at {}: no answer within {DECLARE_TIMEOUT:?}",
+                            endpoint.name
+                        ))
+                        .into(),
+                    )
+                })?
+                .map_err(unreachable)?;
+        let declared = tokio::time::timeout(
+            DECLARE_TIMEOUT,
+            self.declare_on(&connection, &endpoint.name),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Publish(
+                PublishError::unavailable(format!(
+                    "RabbitMQ at {}: the declarations had no answer within {DECLARE_TIMEOUT:?}",
+                    endpoint.name
+                ))
+                .into(),
+            ))
+        });
         let _ = connection.close(200, "declared".into()).await;
         declared
     }
