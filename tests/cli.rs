@@ -857,6 +857,70 @@ async fn the_relay_probes_follow_the_broker_and_the_database() {
     assert!(status.success(), "{status:?}");
 }
 
+/// A relay started while its broker is down: without `--start-without-broker` it exits 3
+/// naming the broker; with it, it runs, `/readyz` says "broker unavailable", and what was
+/// enqueued goes out once the broker is up.
+// Two worker threads: the fault proxy turns connections away while the test waits for the
+// relay that tries them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_starts_without_its_broker_when_told_to() {
+    use common::proxy::FaultProxy;
+    use std::net::ToSocketAddrs;
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    let broker = TestBroker::new("#").await;
+    let mut consumer = broker.consumer().await;
+    let upstream = common::broker::amqp_authority()
+        .to_socket_addrs()
+        .unwrap()
+        .next()
+        .unwrap();
+    let mq = FaultProxy::start(upstream).await;
+    mq.set_down(true);
+    let relay = |extra: &[&str]| {
+        let mut command = Command::new(BIN);
+        command
+            .args(["--table", &table, "relay", "--exchange", &broker.exchange])
+            .args(["--backoff-min", "50ms", "--backoff-max", "200ms"])
+            .args(extra)
+            .env("DATABASE_URL", database_url())
+            .env("AMQP_URL", common::broker::amqp_url_via(mq.addr));
+        command
+    };
+    let refused = relay(&[]).output().unwrap();
+    assert_eq!(refused.status.code(), Some(3), "{refused:?}");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("RabbitMQ"), "{stderr}");
+
+    let [port] = common::cluster::free_ports();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut running = relay(&[
+        "--start-without-broker",
+        "--metrics-addr",
+        &addr.to_string(),
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    outbox
+        .enqueue_alone(&mut conn, Message::new("probe.test", "x").key("held"))
+        .await
+        .unwrap();
+    wait_probe(addr, "/readyz", 503, "broker unavailable").await;
+    mq.set_down(false);
+    let delivery = next(&mut consumer, Duration::from_secs(30))
+        .await
+        .expect("published once the broker is up");
+    assert_eq!(message_id(&delivery), "held");
+    wait_probe(addr, "/readyz", 200, "\"ready\":true").await;
+    let status = terminate(&mut running).await;
+    assert!(status.success(), "{status:?}");
+}
+
 /// Runs a relay process with `--metrics-addr` (and `extra` arguments), has it publish 7
 /// messages, and returns its metrics once they count all 7 (published, their durations and
 /// their lags), and the table's name.

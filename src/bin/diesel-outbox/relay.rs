@@ -84,6 +84,12 @@ pub(crate) struct RelayArgs {
     /// fail at once.
     #[arg(long, default_value_t = Period(defaults::CONNECT_TIMEOUT), allow_hyphen_values = true)]
     pub(crate) connect_timeout: Period,
+    /// Start even when the broker cannot be reached: the relay then holds the messages
+    /// back as in any outage (no attempt spent; `/readyz` 503, "broker unavailable") until
+    /// the broker answers. What only the broker can tell (a refused login, a missing
+    /// exchange, stream or topic) then shows as that outage, not as exit 3 at start.
+    #[arg(long)]
+    start_without_broker: bool,
     /// Database connections in the relay's pool (plus one for LISTEN).
     #[arg(long, default_value_t = 4)]
     pool_size: u32,
@@ -140,7 +146,11 @@ pub(crate) async fn run(
                 if let Some(tls) = b.amqp_tls() {
                     publisher = publisher.tls(tls);
                 }
-                let publisher = publisher.connect().await?;
+                let publisher = if args.start_without_broker {
+                    publisher.connect_lazy()?
+                } else {
+                    publisher.connect().await?
+                };
                 Running::Rabbitmq(build(outbox, pool, publisher, &args)?)
             }
             Broker::Nats => {
@@ -155,7 +165,11 @@ pub(crate) async fn run(
                 if let Some(credentials) = b.nats_credentials() {
                     publisher = publisher.credentials(credentials);
                 }
-                let publisher = publisher.connect().await?;
+                let publisher = if args.start_without_broker {
+                    publisher.connect_lazy().await?
+                } else {
+                    publisher.connect().await?
+                };
                 Running::Nats(build(outbox, pool, publisher, &args)?)
             }
             Broker::Kafka => {
@@ -173,7 +187,11 @@ pub(crate) async fn run(
                 for (key, value) in &b.kafka_properties {
                     publisher = publisher.property(key, value.expose());
                 }
-                let publisher = publisher.connect().await?;
+                let publisher = if args.start_without_broker {
+                    publisher.connect_lazy()?
+                } else {
+                    publisher.connect().await?
+                };
                 Running::Kafka(build(outbox, pool, publisher, &args)?)
             }
         };
