@@ -1636,3 +1636,30 @@ async fn a_kafka_property_the_crate_owns_is_refused_as_a_usage_error() {
         );
     }
 }
+
+/// `relay --help` and `declare --help` give each broker's flags under its own heading,
+/// after the options every broker shares.
+#[test]
+fn the_help_groups_the_flags_by_broker() {
+    for command in ["relay", "declare"] {
+        let help = Command::new(BIN)
+            .args([command, "--help"])
+            .output()
+            .unwrap();
+        assert!(help.status.success(), "{help:?}");
+        let help = String::from_utf8(help.stdout).unwrap();
+        let heading = |name: &str| {
+            help.find(&format!("\n{name}:\n"))
+                .unwrap_or_else(|| panic!("no {name} heading in {command} --help:\n{help}"))
+        };
+        let flag = |name: &str| {
+            help.find(&format!(" --{name} "))
+                .unwrap_or_else(|| panic!("no --{name} in {command} --help:\n{help}"))
+        };
+        let (rabbitmq, kafka, nats) = (heading("RabbitMQ"), heading("Kafka"), heading("NATS"));
+        assert!(flag("broker") < rabbitmq, "--broker is for every broker");
+        assert!((rabbitmq..kafka).contains(&flag("amqp-url")));
+        assert!((kafka..nats).contains(&flag("kafka-brokers")));
+        assert!(nats < flag("nats-url"));
+    }
+}

@@ -44,16 +44,27 @@ pub(crate) struct BrokerArgs {
     pub(crate) broker: Broker,
     /// RabbitMQ URL (with `--broker rabbitmq`): `amqp://`, or `amqps://` for TLS
     /// (`?auth_mechanism=external` logs in with the client certificate).
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    #[arg(
+        help_heading = "RabbitMQ",
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true
+    )]
     pub(crate) amqp_url: Option<Secret>,
     /// A file holding the RabbitMQ URL, instead of `--amqp-url`.
-    #[arg(long, env = "AMQP_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    #[arg(help_heading = "RabbitMQ", long, env = "AMQP_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
     pub(crate) amqp_url_file: Option<Secret>,
     /// A PEM file of CAs to trust for `amqps://`, besides the platform's roots.
-    #[arg(long, env = "AMQP_TLS_CA", value_name = "PATH")]
+    #[arg(
+        help_heading = "RabbitMQ",
+        long,
+        env = "AMQP_TLS_CA",
+        value_name = "PATH"
+    )]
     pub(crate) amqp_tls_ca: Option<PathBuf>,
     /// A PEM client certificate for `amqps://` (with `--amqp-tls-key`).
     #[arg(
+        help_heading = "RabbitMQ",
         long,
         env = "AMQP_TLS_CERT",
         value_name = "PATH",
@@ -62,6 +73,7 @@ pub(crate) struct BrokerArgs {
     pub(crate) amqp_tls_cert: Option<PathBuf>,
     /// The PEM private key of `--amqp-tls-cert`.
     #[arg(
+        help_heading = "RabbitMQ",
         long,
         env = "AMQP_TLS_KEY",
         value_name = "PATH",
@@ -69,18 +81,24 @@ pub(crate) struct BrokerArgs {
     )]
     pub(crate) amqp_tls_key: Option<PathBuf>,
     /// Kafka's bootstrap servers, `host:port` separated by commas (with `--broker kafka`).
-    #[arg(long, env = "KAFKA_BROKERS")]
+    #[arg(help_heading = "Kafka", long, env = "KAFKA_BROKERS")]
     pub(crate) kafka_brokers: Option<String>,
     /// Connect to Kafka over TLS, verified against the platform's roots (and
     /// `--kafka-tls-ca`).
-    #[arg(long, env = "KAFKA_TLS", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(help_heading = "Kafka", long, env = "KAFKA_TLS", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) kafka_tls: bool,
     /// A PEM file of CAs to trust for Kafka, besides the platform's roots (implies
     /// `--kafka-tls`).
-    #[arg(long, env = "KAFKA_TLS_CA", value_name = "PATH")]
+    #[arg(
+        help_heading = "Kafka",
+        long,
+        env = "KAFKA_TLS_CA",
+        value_name = "PATH"
+    )]
     pub(crate) kafka_tls_ca: Option<PathBuf>,
     /// A PEM client certificate for Kafka (with `--kafka-tls-key`; implies `--kafka-tls`).
     #[arg(
+        help_heading = "Kafka",
         long,
         env = "KAFKA_TLS_CERT",
         value_name = "PATH",
@@ -89,6 +107,7 @@ pub(crate) struct BrokerArgs {
     pub(crate) kafka_tls_cert: Option<PathBuf>,
     /// The PEM private key of `--kafka-tls-cert`.
     #[arg(
+        help_heading = "Kafka",
         long,
         env = "KAFKA_TLS_KEY",
         value_name = "PATH",
@@ -97,6 +116,7 @@ pub(crate) struct BrokerArgs {
     pub(crate) kafka_tls_key: Option<PathBuf>,
     /// How to log in to Kafka with SASL (with `--kafka-user`).
     #[arg(
+        help_heading = "Kafka",
         long,
         value_enum,
         env = "KAFKA_SASL_MECHANISM",
@@ -104,10 +124,16 @@ pub(crate) struct BrokerArgs {
     )]
     pub(crate) kafka_sasl_mechanism: Option<SaslMechanism>,
     /// The SASL user (with `--kafka-sasl-mechanism` and a password).
-    #[arg(long, env = "KAFKA_USER", requires = "kafka_sasl_mechanism")]
+    #[arg(
+        help_heading = "Kafka",
+        long,
+        env = "KAFKA_USER",
+        requires = "kafka_sasl_mechanism"
+    )]
     pub(crate) kafka_user: Option<String>,
     /// The password of `--kafka-user`.
     #[arg(
+        help_heading = "Kafka",
         long,
         env = "KAFKA_PASSWORD",
         hide_env_values = true,
@@ -115,39 +141,44 @@ pub(crate) struct BrokerArgs {
     )]
     pub(crate) kafka_password: Option<Secret>,
     /// A file holding the password of `--kafka-user`, instead of `--kafka-password`.
-    #[arg(long, env = "KAFKA_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "kafka_user")]
+    #[arg(help_heading = "Kafka", long, env = "KAFKA_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "kafka_user")]
     pub(crate) kafka_password_file: Option<Secret>,
     /// A librdkafka property for Kafka's clients (repeatable): a login the flags do not
     /// offer (OAUTHBEARER), `client.id`, `compression.type`, … Keys the crate sets for its
     /// guarantees (`acks`, `enable.idempotence`, `bootstrap.servers`, …) are refused. Values
     /// are never printed.
-    #[arg(long = "kafka-property", value_name = "KEY=VALUE")]
+    #[arg(
+        help_heading = "Kafka",
+        long = "kafka-property",
+        value_name = "KEY=VALUE"
+    )]
     pub(crate) kafka_property: Vec<Secret>,
     /// A file of librdkafka properties, one `KEY=VALUE` a line (blank lines and lines
     /// starting with `#` are skipped), before those of `--kafka-property`: for secrets
     /// such as `sasl.oauthbearer.client.secret`.
-    #[arg(long, env = "KAFKA_PROPERTIES_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    #[arg(help_heading = "Kafka", long, env = "KAFKA_PROPERTIES_FILE", value_name = "PATH", value_parser = secret::read_file)]
     pub(crate) kafka_properties_file: Option<Secret>,
     /// The properties of `--kafka-properties-file` and `--kafka-property`, in that order,
     /// as `resolve` parsed them.
     #[arg(skip)]
     pub(crate) kafka_properties: Vec<(String, Secret)>,
     /// NATS URL, or several comma-separated (with `--broker nats`); `tls://` for TLS.
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    #[arg(help_heading = "NATS", long, env = "NATS_URL", hide_env_values = true)]
     pub(crate) nats_url: Option<Secret>,
     /// A file holding the NATS URL, instead of `--nats-url`.
-    #[arg(long, env = "NATS_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    #[arg(help_heading = "NATS", long, env = "NATS_URL_FILE", value_name = "PATH", value_parser = secret::read_file)]
     pub(crate) nats_url_file: Option<Secret>,
     /// Connect to NATS over TLS, verified against the platform's roots (and
     /// `--nats-tls-ca`), whatever the URL says.
-    #[arg(long, env = "NATS_TLS", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(help_heading = "NATS", long, env = "NATS_TLS", value_parser = clap::builder::BoolishValueParser::new())]
     pub(crate) nats_tls: bool,
     /// A PEM file of CAs to trust for NATS, besides the platform's roots (implies
     /// `--nats-tls`).
-    #[arg(long, env = "NATS_TLS_CA", value_name = "PATH")]
+    #[arg(help_heading = "NATS", long, env = "NATS_TLS_CA", value_name = "PATH")]
     pub(crate) nats_tls_ca: Option<PathBuf>,
     /// A PEM client certificate for NATS (with `--nats-tls-key`; implies `--nats-tls`).
     #[arg(
+        help_heading = "NATS",
         long,
         env = "NATS_TLS_CERT",
         value_name = "PATH",
@@ -156,6 +187,7 @@ pub(crate) struct BrokerArgs {
     pub(crate) nats_tls_cert: Option<PathBuf>,
     /// The PEM private key of `--nats-tls-cert`.
     #[arg(
+        help_heading = "NATS",
         long,
         env = "NATS_TLS_KEY",
         value_name = "PATH",
@@ -163,25 +195,31 @@ pub(crate) struct BrokerArgs {
     )]
     pub(crate) nats_tls_key: Option<PathBuf>,
     /// A NATS credentials file (`.creds`: a user JWT and its NKey seed).
-    #[arg(long, env = "NATS_CREDS", value_name = "PATH")]
+    #[arg(help_heading = "NATS", long, env = "NATS_CREDS", value_name = "PATH")]
     pub(crate) nats_creds: Option<PathBuf>,
     /// An NKey seed to log in to NATS with.
-    #[arg(long, env = "NATS_NKEY", hide_env_values = true)]
+    #[arg(help_heading = "NATS", long, env = "NATS_NKEY", hide_env_values = true)]
     pub(crate) nats_nkey: Option<Secret>,
     /// A file holding the NKey seed, instead of `--nats-nkey`.
-    #[arg(long, env = "NATS_NKEY_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    #[arg(help_heading = "NATS", long, env = "NATS_NKEY_FILE", value_name = "PATH", value_parser = secret::read_file)]
     pub(crate) nats_nkey_file: Option<Secret>,
     /// A token to log in to NATS with.
-    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
+    #[arg(
+        help_heading = "NATS",
+        long,
+        env = "NATS_TOKEN",
+        hide_env_values = true
+    )]
     pub(crate) nats_token: Option<Secret>,
     /// A file holding the token, instead of `--nats-token`.
-    #[arg(long, env = "NATS_TOKEN_FILE", value_name = "PATH", value_parser = secret::read_file)]
+    #[arg(help_heading = "NATS", long, env = "NATS_TOKEN_FILE", value_name = "PATH", value_parser = secret::read_file)]
     pub(crate) nats_token_file: Option<Secret>,
     /// A user to log in to NATS as (with `--nats-password` or `--nats-password-file`).
-    #[arg(long, env = "NATS_USER")]
+    #[arg(help_heading = "NATS", long, env = "NATS_USER")]
     pub(crate) nats_user: Option<String>,
     /// The password of `--nats-user`.
     #[arg(
+        help_heading = "NATS",
         long,
         env = "NATS_PASSWORD",
         hide_env_values = true,
@@ -189,7 +227,7 @@ pub(crate) struct BrokerArgs {
     )]
     pub(crate) nats_password: Option<Secret>,
     /// A file holding the password of `--nats-user`, instead of `--nats-password`.
-    #[arg(long, env = "NATS_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "nats_user")]
+    #[arg(help_heading = "NATS", long, env = "NATS_PASSWORD_FILE", value_name = "PATH", value_parser = secret::read_file, requires = "nats_user")]
     pub(crate) nats_password_file: Option<Secret>,
 }
 

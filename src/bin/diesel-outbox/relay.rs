@@ -22,14 +22,24 @@ pub(crate) struct RelayArgs {
     #[command(flatten)]
     pub(crate) broker: BrokerArgs,
     /// Exchange to publish to, which must exist (with `--broker rabbitmq`).
-    #[arg(long, env = "OUTBOX_EXCHANGE")]
+    #[arg(long, env = "OUTBOX_EXCHANGE", help_heading = "RabbitMQ")]
     exchange: Option<String>,
     /// Put in front of each topic to make its NATS subject, which a JetStream stream must
     /// capture (with `--broker nats`).
-    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value = "")]
+    #[arg(
+        long,
+        env = "OUTBOX_SUBJECT_PREFIX",
+        default_value = "",
+        help_heading = "NATS"
+    )]
     subject_prefix: String,
     /// Put in front of each topic to make its Kafka topic (with `--broker kafka`).
-    #[arg(long, env = "OUTBOX_TOPIC_PREFIX", default_value = "")]
+    #[arg(
+        long,
+        env = "OUTBOX_TOPIC_PREFIX",
+        default_value = "",
+        help_heading = "Kafka"
+    )]
     topic_prefix: String,
     /// Rows claimed per cycle.
     #[arg(long, default_value_t = defaults::BATCH_SIZE)]
