@@ -434,3 +434,54 @@ async fn a_lazy_publisher_starts_while_the_cluster_is_down() {
     f.starts_without_the_broker(&proxy, publisher).await;
     assert_eq!(read(&brokers(), &[topic], 1, 10).await.len(), 10);
 }
+
+/// Published by aggregate type (Debezium's outbox router layout), the events of one
+/// aggregate of every type share one Kafka topic and partition, and the consumer source
+/// reads them in the order they were enqueued, each with its own topic.
+#[tokio::test]
+async fn by_aggregate_type_an_aggregates_events_of_every_type_arrive_in_order() {
+    use diesel_outbox::consumer::Source as _;
+    use diesel_outbox::kafka::Layout;
+    if skipped("by_aggregate_type_an_aggregates_events_of_every_type_arrive_in_order") {
+        return;
+    }
+    let mut f = fixture().await;
+    let (prefix, topic) = topic(&brokers(), "order", 3).await;
+    let types = ["order.created", "order.paid", "order.shipped"];
+    for event in types {
+        for order in ["o1", "o2", "o3"] {
+            f.enqueue(
+                Message::new(event, "x")
+                    .key(format!("{order}-{event}"))
+                    .aggregate_key(order),
+            )
+            .await;
+        }
+    }
+    let publisher = KafkaPublisher::builder(brokers())
+        .topic_prefix(&prefix)
+        .layout(Layout::ByAggregateType)
+        .connect()
+        .await
+        .unwrap();
+    let (stop, task) = spawn_relay(f.quick_relay(publisher));
+    let mut source =
+        kafka::Source::group(brokers(), unique("router"), [&topic]).topic_prefix(&prefix);
+    let mut seen: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for _ in 0..9 {
+        let incoming = tokio::time::timeout(DEADLINE, source.next(16))
+            .await
+            .expect("a delivery in time")
+            .unwrap();
+        let delivery = &incoming.delivery;
+        seen.entry(delivery.aggregate_key.clone().unwrap())
+            .or_default()
+            .push(delivery.topic.clone());
+        incoming.settle.ack().await.unwrap();
+    }
+    source.close().await;
+    stop_relay(stop, task).await;
+    for order in ["o1", "o2", "o3"] {
+        assert_eq!(seen[order], types, "{order}'s events in the order enqueued");
+    }
+}

@@ -172,7 +172,8 @@ pub use self::source::{Incoming, Settle, Source};
 pub struct Delivery {
     /// The idempotency key (the broker message id), the same on every delivery.
     pub key: String,
-    /// The topic (for RabbitMQ, the routing key).
+    /// The topic the message was enqueued with (for RabbitMQ, the routing key; for Kafka,
+    /// the topic without the relay's prefix, or the `x-outbox-topic` header).
     pub topic: String,
     /// The message body.
     pub payload: Vec<u8>,

@@ -5,7 +5,7 @@
 use clap::Args;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_outbox::defaults;
-use diesel_outbox::kafka::KafkaPublisher;
+use diesel_outbox::kafka::{KafkaPublisher, Layout};
 use diesel_outbox::nats::JetStreamPublisher;
 use diesel_outbox::rabbitmq::RabbitMqPublisher;
 use diesel_outbox::{Error, Outbox, PgPool, Publisher, Relay, until_reachable};
@@ -16,6 +16,15 @@ use crate::buckets::Buckets;
 use crate::durations::{Age, Period};
 use crate::secret::Secret;
 use crate::{CONNECTION, Failure, USAGE};
+
+/// The Kafka topic layouts of `--kafka-layout`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum KafkaLayout {
+    /// The prefix + the message's topic.
+    ByTopic,
+    /// The prefix + the message's aggregate type, its topic in a header.
+    ByAggregateType,
+}
 
 #[derive(Args)]
 pub(crate) struct RelayArgs {
@@ -41,6 +50,18 @@ pub(crate) struct RelayArgs {
         help_heading = "Kafka"
     )]
     topic_prefix: String,
+    /// Which Kafka topic each message goes to (with `--broker kafka`): the prefix + its
+    /// topic, or the prefix + its aggregate type (its topic up to the last `.`, Debezium's
+    /// outbox router layout), where every event of one aggregate, of any type, is in one
+    /// partition in order.
+    #[arg(
+        long,
+        value_enum,
+        env = "OUTBOX_KAFKA_LAYOUT",
+        default_value_t = KafkaLayout::ByTopic,
+        help_heading = "Kafka"
+    )]
+    kafka_layout: KafkaLayout,
     /// Rows claimed per cycle.
     #[arg(long, default_value_t = defaults::BATCH_SIZE)]
     pub(crate) batch_size: usize,
@@ -183,8 +204,12 @@ pub(crate) async fn run(
                 Running::Nats(build(outbox, pool, publisher, &args)?)
             }
             Broker::Kafka => {
-                let mut publisher =
-                    KafkaPublisher::builder(b.kafka_brokers()?).topic_prefix(&args.topic_prefix);
+                let mut publisher = KafkaPublisher::builder(b.kafka_brokers()?)
+                    .topic_prefix(&args.topic_prefix)
+                    .layout(match args.kafka_layout {
+                        KafkaLayout::ByTopic => Layout::ByTopic,
+                        KafkaLayout::ByAggregateType => Layout::ByAggregateType,
+                    });
                 if let Some(timeout) = args.confirm_timeout {
                     publisher = publisher.delivery_timeout(timeout.0);
                 }

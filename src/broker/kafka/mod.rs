@@ -2,7 +2,9 @@
 //!
 //! Each record is produced to the topic *prefix + topic* with its payload as the value and
 //! its aggregate key as the message key (the idempotency key when it has none), so one
-//! aggregate's messages land in one partition, in order. Its headers: `x-outbox-message-id`
+//! aggregate's messages land in one partition, in order. (With
+//! [`Layout::ByAggregateType`] the topic is *prefix + the topic up to its last `.`*, so that
+//! an aggregate's events of every type share one topic and keep their order.) Its headers: `x-outbox-message-id`
 //! (the idempotency key, which consumers dedupe on), `x-outbox-attempt`,
 //! `x-outbox-aggregate-key` when set, `content-type` when set, and the record's own headers
 //! (trace context included; library headers win). The producer is idempotent
@@ -86,7 +88,7 @@ pub use self::connection::Sasl;
 pub(crate) use self::connection::{Observed, Security};
 pub use self::passthrough::is_secret_property;
 pub(crate) use self::passthrough::{Client, Properties};
-pub use self::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER};
+pub use self::properties::{CONTENT_TYPE_HEADER, Layout, MESSAGE_ID_HEADER, TOPIC_HEADER};
 pub use self::topology::{DeclaredTopic, Topology};
 use crate::error::{Error, Result};
 use crate::publisher::PublishError;
@@ -112,6 +114,7 @@ pub struct KafkaPublisher {
     /// `host:port[,…]`: how the brokers are named in errors and logs.
     endpoint: String,
     prefix: String,
+    layout: Layout,
     delivery_timeout: Duration,
     /// Whether the user set `delivery_timeout` (otherwise a relay fits it to its lease).
     delivery_timeout_set: bool,
@@ -143,6 +146,7 @@ impl fmt::Debug for KafkaPublisher {
 pub struct KafkaPublisherBuilder {
     brokers: String,
     prefix: String,
+    layout: Layout,
     delivery_timeout: Duration,
     delivery_timeout_set: bool,
     max_message_bytes: Option<usize>,
@@ -157,6 +161,7 @@ impl fmt::Debug for KafkaPublisherBuilder {
         f.debug_struct("KafkaPublisherBuilder")
             .field("brokers", &shown)
             .field("topic_prefix", &self.prefix)
+            .field("layout", &self.layout)
             .field("delivery_timeout", &self.delivery_timeout)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("tls", &self.security.tls)
@@ -173,6 +178,7 @@ impl KafkaPublisher {
         KafkaPublisherBuilder {
             brokers: brokers.into(),
             prefix: String::new(),
+            layout: Layout::default(),
             delivery_timeout: crate::defaults::DELIVERY_TIMEOUT,
             delivery_timeout_set: false,
             max_message_bytes: None,
@@ -192,6 +198,15 @@ impl KafkaPublisherBuilder {
     /// `outbox.order.created`). Defaults to none.
     pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// Which Kafka topic each message goes to, and so which messages a consumer sees in
+    /// order: one Kafka topic per message topic ([`Layout::ByTopic`], the default), or one
+    /// per aggregate type ([`Layout::ByAggregateType`], Debezium's outbox event router's
+    /// layout), where every event of one aggregate is in order.
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
         self
     }
 
@@ -377,6 +392,7 @@ impl KafkaPublisherBuilder {
         Ok(KafkaPublisher {
             endpoint,
             prefix: self.prefix,
+            layout: self.layout,
             delivery_timeout: self.delivery_timeout,
             delivery_timeout_set: self.delivery_timeout_set,
             config,

@@ -59,7 +59,7 @@ impl Pipelined for KafkaPublisher {
     }
 
     async fn send(&self, batch: &Batch, record: &Record) -> Result<DeliveryFuture, Unsent> {
-        let message = outgoing(record, &self.prefix).map_err(Unsent::alone)?;
+        let message = outgoing(record, &self.prefix, self.layout).map_err(Unsent::alone)?;
         let produced = FutureRecord::to(&message.topic)
             .key(&message.key)
             .payload(&record.payload)

@@ -10,6 +10,43 @@ use crate::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER, PublishError, Record};
 pub const MESSAGE_ID_HEADER: &str = "x-outbox-message-id";
 /// The header that carries the content type.
 pub const CONTENT_TYPE_HEADER: &str = "content-type";
+/// The header that carries the message's topic where the Kafka topic is not made of it
+/// ([`Layout::ByAggregateType`]); the consumer source takes the delivery's topic from it.
+pub const TOPIC_HEADER: &str = "x-outbox-topic";
+
+/// Which Kafka topic a message goes to. Its key is its aggregate key either way (the
+/// idempotency key when it has none), so the messages of one aggregate in one Kafka topic
+/// land in one partition, in the order they were published; which messages share a Kafka
+/// topic decides which of them a consumer sees in order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Layout {
+    /// The prefix + the message's topic: `order.created` and `order.paid` go to two Kafka
+    /// topics, each in order per aggregate, but not in order with each other. The default.
+    #[default]
+    ByTopic,
+    /// The prefix + the message's *aggregate type*, its topic up to the last `.`
+    /// (`order.created` and `order.paid` both go to `order`; a topic without a `.` is its
+    /// own type), with the message's topic in the `x-outbox-topic` header: every event of
+    /// one aggregate, whatever its type, lands in one partition in the order published.
+    /// Debezium's outbox event router lays topics out so (`outbox.event.<aggregate type>`
+    /// with the prefix `outbox.event.`), and the consumer source reads the topic back from
+    /// the header.
+    ByAggregateType,
+}
+
+impl Layout {
+    /// The Kafka topic of a message whose topic is `topic`, under `prefix`.
+    pub(crate) fn kafka_topic(self, prefix: &str, topic: &str) -> String {
+        match self {
+            Layout::ByTopic => format!("{prefix}{topic}"),
+            Layout::ByAggregateType => {
+                let aggregate_type = topic.rsplit_once('.').map_or(topic, |(t, _)| t);
+                format!("{prefix}{aggregate_type}")
+            }
+        }
+    }
+}
 /// The longest topic name Kafka takes.
 const MAX_TOPIC: usize = 249;
 
@@ -47,12 +84,16 @@ pub(crate) fn check_topic(topic: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The record as a Kafka message for `prefix` + topic, if Kafka takes it (a topic it
-/// refuses is a permanent failure of this record alone). The key is the aggregate key, so
-/// one aggregate's messages land in one partition, in order; without one, the idempotency
-/// key.
-pub(super) fn outgoing(record: &Record, prefix: &str) -> Result<Outgoing, PublishError> {
-    let topic = format!("{prefix}{}", record.topic);
+/// The record as a Kafka message to its topic in `layout` under `prefix`, if Kafka takes
+/// it (a topic it refuses is a permanent failure of this record alone). The key is the
+/// aggregate key, so one aggregate's messages land in one partition, in order; without
+/// one, the idempotency key.
+pub(super) fn outgoing(
+    record: &Record,
+    prefix: &str,
+    layout: Layout,
+) -> Result<Outgoing, PublishError> {
+    let topic = layout.kafka_topic(prefix, &record.topic);
     check_topic(&topic).map_err(PublishError::permanent)?;
     let attempt = record.attempt.to_string();
     let mut library = vec![
@@ -65,12 +106,16 @@ pub(super) fn outgoing(record: &Record, prefix: &str) -> Result<Outgoing, Publis
     if let Some(content_type) = &record.content_type {
         library.push((CONTENT_TYPE_HEADER, content_type));
     }
+    if layout != Layout::ByTopic {
+        library.push((TOPIC_HEADER, &record.topic));
+    }
     // Library headers win over user headers of the same name (Kafka would keep both).
     let reserved = [
         MESSAGE_ID_HEADER,
         ATTEMPT_HEADER,
         AGGREGATE_HEADER,
         CONTENT_TYPE_HEADER,
+        TOPIC_HEADER,
     ];
     let user = record
         .headers
@@ -182,7 +227,9 @@ mod tests {
         }
         assert!(check_topic(&"x".repeat(250)).is_err());
         let record = Record::new("k", "order created", "x");
-        let err = outgoing(&record, "outbox.").err().expect("refused");
+        let err = outgoing(&record, "outbox.", Layout::ByTopic)
+            .err()
+            .expect("refused");
         assert!(err.is_permanent(), "{err}");
     }
 
@@ -195,7 +242,7 @@ mod tests {
             .headers
             .insert("Content-Type".into(), "text/plain".into());
         record.content_type = Some("application/json".into());
-        let message = outgoing(&record, "outbox.").expect("taken");
+        let message = outgoing(&record, "outbox.", Layout::ByTopic).expect("taken");
         assert_eq!(message.topic, "outbox.order.created");
         assert_eq!(message.key, "k1", "no aggregate: the idempotency key");
         let headers: Vec<(String, String)> = message
@@ -216,7 +263,51 @@ mod tests {
             ]
         );
         record.aggregate_key = Some("order-1".into());
-        assert_eq!(outgoing(&record, "").unwrap().key, "order-1");
+        assert_eq!(
+            outgoing(&record, "", Layout::ByTopic).unwrap().key,
+            "order-1"
+        );
+    }
+
+    #[test]
+    fn by_aggregate_type_every_event_of_an_aggregate_shares_a_topic_and_a_key() {
+        let mut created = Record::new("k1", "order.created", "x");
+        created.aggregate_key = Some("order-1".into());
+        let mut paid = Record::new("k2", "order.paid", "x");
+        paid.aggregate_key = Some("order-1".into());
+        let layout = Layout::ByAggregateType;
+        let (created, paid) = (
+            outgoing(&created, "outbox.event.", layout).unwrap(),
+            outgoing(&paid, "outbox.event.", layout).unwrap(),
+        );
+        assert_eq!(
+            (created.topic.as_str(), created.key.as_str()),
+            ("outbox.event.order", "order-1")
+        );
+        assert_eq!(
+            (paid.topic.as_str(), paid.key.as_str()),
+            ("outbox.event.order", "order-1")
+        );
+        let topic = |m: &Outgoing| {
+            m.headers
+                .iter()
+                .find(|h| h.key == TOPIC_HEADER)
+                .map(|h| String::from_utf8(h.value.unwrap().to_vec()).unwrap())
+        };
+        assert_eq!(topic(&created).as_deref(), Some("order.created"));
+        assert_eq!(topic(&paid).as_deref(), Some("order.paid"));
+        assert_eq!(
+            layout.kafka_topic("", "billing.invoice.paid"),
+            "billing.invoice"
+        );
+        assert_eq!(
+            layout.kafka_topic("p.", "audit"),
+            "p.audit",
+            "no `.`: its own type"
+        );
+        let by_topic =
+            outgoing(&Record::new("k3", "order.paid", "x"), "", Layout::ByTopic).unwrap();
+        assert_eq!(topic(&by_topic), None, "by topic, no topic header");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 
-use super::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, check_topic};
+use super::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, TOPIC_HEADER, check_topic};
 use super::{Client, Observed, Properties, Sasl, Security, brokers, passthrough};
 use crate::consumer::{Delivery, Incoming, Settle};
 use crate::error::BoxError;
@@ -109,7 +109,9 @@ impl Source {
     }
 
     /// The relay's topic prefix: taken off the front of each topic to give the delivery's
-    /// topic (as the record had it). Defaults to none.
+    /// topic (as the record had it). Defaults to none. A message published by aggregate
+    /// type ([`Layout::ByAggregateType`](crate::kafka::Layout::ByAggregateType)) carries its
+    /// topic in the `x-outbox-topic` header, which the delivery's topic is then taken from.
     pub fn topic_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -214,10 +216,14 @@ impl Source {
             }
         }
         let key = headers.remove(MESSAGE_ID_HEADER)?;
-        let topic = message.topic();
+        // Published by aggregate type, the message's own topic is in a header.
+        let topic = headers.remove(TOPIC_HEADER).unwrap_or_else(|| {
+            let topic = message.topic();
+            topic.strip_prefix(&self.prefix).unwrap_or(topic).to_owned()
+        });
         Some(Delivery {
             key,
-            topic: topic.strip_prefix(&self.prefix).unwrap_or(topic).to_owned(),
+            topic,
             payload: message.payload().unwrap_or_default().to_vec(),
             content_type: headers.remove(CONTENT_TYPE_HEADER),
             attempt: headers
