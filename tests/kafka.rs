@@ -485,3 +485,118 @@ async fn by_aggregate_type_an_aggregates_events_of_every_type_arrive_in_order() 
         assert_eq!(seen[order], types, "{order}'s events in the order enqueued");
     }
 }
+
+/// A message the handler rejects, and one without an idempotency key, go to the topic's
+/// dead-letter topic (`<topic>.dlt`, declared with it) with their headers, where they were
+/// consumed and why; the group's offsets then move past them, and every other message is
+/// applied.
+#[tokio::test]
+async fn rejected_messages_go_to_the_dead_letter_topic_before_the_offset_moves() {
+    use diesel_outbox::consumer::{HandleError, handler_fn};
+    use diesel_outbox::kafka::{
+        DLT_OFFSET_HEADER, DLT_PARTITION_HEADER, DLT_REASON_HEADER, DLT_TOPIC_HEADER,
+    };
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    if skipped("rejected_messages_go_to_the_dead_letter_topic_before_the_offset_moves") {
+        return;
+    }
+    let mut f = fixture().await;
+    let prefix = format!("{}.", unique("outbox_kafka"));
+    let topic = format!("{prefix}t");
+    let dead = format!("{topic}.dlt");
+    let declared = Topology::new()
+        .topic(&topic, 1)
+        .dead_letter_topics()
+        .replication(1)
+        .declare(&brokers())
+        .await
+        .unwrap();
+    assert_eq!(
+        declared.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
+        [topic.as_str(), dead.as_str()]
+    );
+    for key in ["k0", "bad", "k2"] {
+        f.enqueue(Message::new("t", "x").key(key).header("tenant", "acme"))
+            .await;
+    }
+    let publisher = publisher(&brokers(), &prefix, Duration::from_secs(10)).await;
+    let (stop, task) = spawn_relay(f.quick_relay(publisher));
+    read(&brokers(), std::slice::from_ref(&topic), 1, 3).await;
+    stop_relay(stop, task).await;
+    // A message without an idempotency key, produced by someone else.
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::<str, str>::to(&topic).payload("anonymous"),
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+
+    let group = unique("dlt");
+    let consumer = Consumer::builder(f.outbox.clone(), f.pool.clone(), unique("invoicing"))
+        .source(kafka::Source::group(brokers(), &group, [&topic]).topic_prefix(&prefix))
+        .handler(handler_fn(|delivery, _| {
+            let bad = delivery.key == "bad";
+            Box::pin(async move {
+                if bad {
+                    Err(HandleError::reject("no such customer"))
+                } else {
+                    Ok(())
+                }
+            })
+        }))
+        .build()
+        .unwrap();
+    let (stop, consuming) = common::spawn_consumer(consumer);
+    let letters = read(&brokers(), std::slice::from_ref(&dead), 1, 2).await;
+    assert_eq!(
+        letters.len(),
+        2,
+        "{:?}",
+        letters.iter().map(|l| &l.headers).collect::<Vec<_>>()
+    );
+    // In the order produced: the keyless one may go first (it never reaches the handler).
+    let letter = |payload: &[u8]| {
+        letters
+            .iter()
+            .find(|l| l.payload == payload)
+            .unwrap_or_else(|| panic!("no dead letter of {payload:?}"))
+    };
+    let rejected = letter(b"x");
+    assert_eq!(rejected.headers["x-outbox-message-id"], "bad");
+    assert_eq!(
+        rejected.headers["tenant"], "acme",
+        "the message's own headers"
+    );
+    assert_eq!(rejected.headers[DLT_TOPIC_HEADER], topic);
+    assert_eq!(rejected.headers[DLT_PARTITION_HEADER], "0");
+    assert_eq!(rejected.headers[DLT_OFFSET_HEADER], "1");
+    assert!(
+        rejected.headers[DLT_REASON_HEADER].contains("rejected by its handler"),
+        "{:?}",
+        rejected.headers
+    );
+    assert_eq!(rejected.payload, b"x");
+    let anonymous = letter(b"anonymous");
+    assert_eq!(anonymous.payload, b"anonymous");
+    assert_eq!(anonymous.headers[DLT_OFFSET_HEADER], "3");
+    assert!(anonymous.headers[DLT_REASON_HEADER].contains("x-outbox-message-id"));
+    // Every offset is committed: the dead letters' too.
+    eventually(DEADLINE, "the group's offsets at the end", || {
+        let (group, topic) = (group.clone(), topic.clone());
+        async move {
+            let lag = tokio::task::spawn_blocking(move || {
+                common::kafka::lag(&brokers(), &group, &topic, 1)
+            })
+            .await
+            .unwrap();
+            (lag.ok() == Some(0)).then_some(())
+        }
+    })
+    .await;
+    stop_relay(stop, consuming).await;
+}

@@ -83,8 +83,12 @@ pub mod kafka {
     //! until then (for the last messages of a partition, until a restart) the group's lag
     //! counts them and a restart or rebalance delivers them again.
     //!
-    //! Hazards: Kafka keeps no dead letters: a message the handler rejects, or one without
-    //! `x-outbox-message-id` (which cannot be deduplicated), is logged and skipped.
+    //! Dead letters: Kafka keeps none of its own, so the source sends a message the handler
+    //! rejects (or ran `max_deliveries` times), or one without `x-outbox-message-id` (which
+    //! cannot be deduplicated), to a dead-letter topic (`<topic>.dlt` by default; see
+    //! [`Source::dead_letter_topic`]) with where it was consumed and why, and commits its
+    //! offset only once Kafka confirmed it. [`Topology::dead_letter_topics`](crate::kafka::Topology::dead_letter_topics)
+    //! declares them.
     //!
     //! The topics must exist: when the runner starts, a topic missing from the cluster's
     //! list of topics fails it at once with [`Error::NotDeclared`](crate::Error::NotDeclared),

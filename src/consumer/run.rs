@@ -38,12 +38,12 @@ const DATABASE_RETRY_MIN: Duration = Duration::from_millis(100);
 const DATABASE_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// A delivery's end in its task.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Ended {
     /// Applied (or found a duplicate) and acknowledged.
     Acked,
-    /// Rejected.
-    Rejected,
+    /// Rejected, and why (for a source that keeps the reason with its dead letter).
+    Rejected(String),
     /// Left unacknowledged (shutdown came first): the broker delivers it again.
     Left,
 }
@@ -364,7 +364,7 @@ async fn settle<H: Handler>(
                 table = %table, consumer = %name, key = %delivery.key, topic = %delivery.topic,
                 runs, error = %failure, "delivery {why}"
             );
-            break Ended::Rejected;
+            break Ended::Rejected(format!("{why}: {failure}"));
         }
         inner.metrics.consumed(&delivery.topic, Consumed::Retried);
         let delay = backoff.failed();
@@ -379,7 +379,7 @@ async fn settle<H: Handler>(
     };
     let settling = match ended {
         Ended::Acked => settle.ack(),
-        Ended::Rejected => settle.reject(),
+        Ended::Rejected(reason) => settle.reject_for(reason),
         Ended::Left => return,
     };
     let settled = tokio::time::timeout(SETTLE_TIMEOUT, settling)

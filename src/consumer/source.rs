@@ -68,6 +68,13 @@ pub trait Settle: Send + Sync {
     /// The delivery can never be applied: the broker drops it without requeueing it (to the
     /// queue's dead-letter exchange, if it has one).
     fn reject(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>>;
+    /// As [`reject`](Self::reject), saying why (the handler's error, or that it ran
+    /// `max_deliveries` times), for a source that keeps the reason with its dead letter
+    /// (Kafka's dead-letter topic). Defaults to `reject`.
+    fn reject_for(self: Box<Self>, reason: String) -> BoxFuture<'static, Result<(), BoxError>> {
+        let _ = reason;
+        self.reject()
+    }
 }
 
 /// A source's connection: the live one, or the connect under way, which is kept across

@@ -578,6 +578,10 @@ pub(crate) struct DeclareArgs {
     /// Kafka: the replicas of each partition (defaults to the cluster's default).
     #[arg(long)]
     replication: Option<u16>,
+    /// Kafka: with each topic, its dead-letter topic `<topic>.dlt` (as many partitions),
+    /// where the consumer runner's source sends the messages its handler rejected.
+    #[arg(long)]
+    dead_letter_topics: bool,
 }
 
 /// Declares the topology on the broker, idempotently.
@@ -645,6 +649,9 @@ pub(crate) async fn declare(args: DeclareArgs, out: &mut Output<'_>) -> Result<(
             let mut topology = kafka::Topology::new();
             for topic in &args.topic {
                 topology = topology.topic(topic, args.partitions);
+            }
+            if args.dead_letter_topics {
+                topology = topology.dead_letter_topics();
             }
             if let Some(replicas) = args.replication {
                 topology = topology.replication(replicas);

@@ -70,6 +70,7 @@
 //! `topology` (topics created with their partitions, or found with theirs).
 
 mod connection;
+mod dead_letters;
 mod passthrough;
 mod pipeline;
 mod properties;
@@ -86,6 +87,9 @@ use rdkafka::producer::{FutureProducer, Producer};
 
 pub use self::connection::Sasl;
 pub(crate) use self::connection::{Observed, Security};
+pub use self::dead_letters::{
+    DLT_OFFSET_HEADER, DLT_PARTITION_HEADER, DLT_REASON_HEADER, DLT_TOPIC_HEADER,
+};
 pub use self::passthrough::is_secret_property;
 pub(crate) use self::passthrough::{Client, Properties};
 pub use self::properties::{CONTENT_TYPE_HEADER, Layout, MESSAGE_ID_HEADER, TOPIC_HEADER};

@@ -13,6 +13,7 @@ use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 
+use super::dead_letters::{DeadLetterProducer, DeadLetterTopic, Letter};
 use super::properties::{CONTENT_TYPE_HEADER, MESSAGE_ID_HEADER, TOPIC_HEADER, check_topic};
 use super::{Client, Observed, Properties, Sasl, Security, brokers, passthrough};
 use crate::consumer::{Delivery, Incoming, Settle};
@@ -65,6 +66,8 @@ pub struct Source {
     properties: Properties,
     offsets: Arc<Mutex<Offsets>>,
     consumer: Option<Arc<StreamConsumer<Tracked>>>,
+    dead_letters: DeadLetterTopic,
+    producer: Option<DeadLetterProducer>,
 }
 
 impl fmt::Debug for Source {
@@ -79,6 +82,7 @@ impl fmt::Debug for Source {
             .field("tls", &self.security.tls)
             .field("sasl", &self.security.sasl)
             .field("start_from", &self.start_from)
+            .field("dead_letters", &self.dead_letters)
             .field("properties", &self.properties)
             .field("subscribed", &self.consumer.is_some())
             .finish_non_exhaustive()
@@ -105,7 +109,37 @@ impl Source {
             properties: Properties::default(),
             offsets: Arc::default(),
             consumer: None,
+            dead_letters: DeadLetterTopic::default(),
+            producer: None,
         }
+    }
+
+    /// Sends every dead letter to `topic`, whatever topic it was consumed from. By default
+    /// each goes to `<its topic>.dlt`.
+    ///
+    /// A dead letter is a message the handler rejected (or ran `max_deliveries` times
+    /// without success), or one without the `x-outbox-message-id` header, which cannot be
+    /// deduplicated. It is produced with the message's key, value and headers, plus
+    /// `x-outbox-dlt-topic`, `x-outbox-dlt-partition`, `x-outbox-dlt-offset` (where it was
+    /// consumed) and `x-outbox-dlt-reason` (why), by an idempotent producer with
+    /// `acks=all`, and the message's offset is committed only once Kafka confirmed it. When
+    /// that fails (no dead-letter topic on a cluster that creates none, say) the offset is
+    /// not committed: the partition's commits stop there, and the message is delivered
+    /// again after a restart or a rebalance. Create the topics first
+    /// ([`Topology::dead_letter_topics`](crate::kafka::Topology::dead_letter_topics), or
+    /// `diesel-outbox declare --broker kafka --dead-letter-topics`).
+    ///
+    /// Hazard: the reason holds the handler's error as text, which may quote the message.
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letters = DeadLetterTopic::Named(topic.into());
+        self
+    }
+
+    /// Sends no dead letters: a message the handler rejected is logged and skipped (its
+    /// offset committed), as is one without an idempotency key.
+    pub fn without_dead_letter_topic(mut self) -> Self {
+        self.dead_letters = DeadLetterTopic::Off;
+        self
     }
 
     /// The relay's topic prefix: taken off the front of each topic to give the delivery's
@@ -194,6 +228,13 @@ impl Source {
                     passthrough::refused(&e, &config)
                 )
             })?;
+        if self.dead_letters != DeadLetterTopic::Off && self.producer.is_none() {
+            self.producer = Some(super::dead_letters::producer(
+                &endpoint,
+                &self.security,
+                &self.properties,
+            )?);
+        }
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         consumer
             .subscribe(&topics)
@@ -252,6 +293,11 @@ impl crate::consumer::Source for Source {
                 message.offset(),
             );
             let epoch = lock(&self.offsets).handed(&topic, partition, offset);
+            let letter = self
+                .producer
+                .as_ref()
+                .zip(self.dead_letters.of(&topic))
+                .map(|(producer, to)| Letter::of(producer.clone(), to, &message));
             let settle = Box::new(Commit {
                 consumer: consumer.clone(),
                 offsets: self.offsets.clone(),
@@ -259,14 +305,17 @@ impl crate::consumer::Source for Source {
                 partition,
                 offset,
                 epoch,
+                letter,
             });
             let Some(delivery) = self.delivery(&message) else {
-                tracing::warn!(
-                    topic = %message.topic(), partition, offset,
-                    "a Kafka message without {MESSAGE_ID_HEADER} cannot be deduplicated: skipped"
-                );
                 drop(message);
-                let _ = settle.commit();
+                // On a task of its own: `next` stays cancel safe (the runner may drop it
+                // while the dead letter is produced).
+                tokio::spawn(async move {
+                    let reason =
+                        format!("no {MESSAGE_ID_HEADER} header: it cannot be deduplicated");
+                    let _ = settle.dead_letter(&reason).await;
+                });
                 continue;
             };
             return Ok(Incoming { delivery, settle });
@@ -335,6 +384,9 @@ impl crate::consumer::Source for Source {
         }
         for topic in &self.topics {
             check_topic(topic)?;
+            if let Some(dead) = self.dead_letters.of(topic) {
+                check_topic(&dead).map_err(|why| format!("the dead-letter topic: {why}"))?;
+            }
         }
         Ok(())
     }
@@ -512,9 +564,38 @@ struct Commit {
     partition: i32,
     offset: i64,
     epoch: u64,
+    /// The message as its dead letter, unless the source sends none.
+    letter: Option<Letter>,
 }
 
 impl Commit {
+    /// The message is a dead letter, for `reason`: sent to the dead-letter topic (when
+    /// the source has one) and, once Kafka confirmed it, its offset committed. When the
+    /// produce fails, the offset is left uncommitted (an error, naming why).
+    async fn dead_letter(self: Box<Self>, reason: &str) -> Result<(), BoxError> {
+        let Some(letter) = &self.letter else {
+            tracing::warn!(
+                topic = %self.topic, partition = self.partition, offset = self.offset,
+                reason, "a Kafka message is skipped (the source sends no dead letters)"
+            );
+            return self.commit();
+        };
+        if let Err(why) = letter.send(reason).await {
+            tracing::error!(
+                topic = %self.topic, partition = self.partition, offset = self.offset,
+                error = %why,
+                "a dead letter could not be produced: its offset stays uncommitted (the \
+                 partition's commits stop there until a restart delivers it again)"
+            );
+            return Err(why.into());
+        }
+        tracing::warn!(
+            topic = %self.topic, partition = self.partition, offset = self.offset,
+            "a Kafka message went to the dead-letter topic"
+        );
+        self.commit()
+    }
+
     fn commit(&self) -> Result<(), BoxError> {
         let position =
             lock(&self.offsets).settled(&self.topic, self.partition, self.offset, self.epoch);
@@ -534,12 +615,11 @@ impl Settle for Commit {
     }
 
     fn reject(self: Box<Self>) -> BoxFuture<'static, Result<(), BoxError>> {
-        // Kafka has no dead letters of its own: the message is skipped.
-        tracing::warn!(
-            topic = %self.topic, partition = self.partition, offset = self.offset,
-            "a Kafka message the handler rejected is skipped"
-        );
-        Box::pin(async move { self.commit() })
+        self.reject_for("rejected by its handler".to_owned())
+    }
+
+    fn reject_for(self: Box<Self>, reason: String) -> BoxFuture<'static, Result<(), BoxError>> {
+        Box::pin(async move { self.dead_letter(&reason).await })
     }
 }
 

@@ -94,6 +94,20 @@ impl Topology {
         self
     }
 
+    /// The dead-letter topic `<name>.dlt` of every topic named so far, with as many
+    /// partitions: where the consumer source sends the messages its handler rejected (see
+    /// [`Source::dead_letter_topic`](crate::consumer::kafka::Source::dead_letter_topic)).
+    pub fn dead_letter_topics(mut self) -> Self {
+        let dead: Vec<(String, u32)> = self
+            .topics
+            .iter()
+            .map(|(name, partitions)| (format!("{name}.dlt"), *partitions))
+            .filter(|(dead, _)| !self.topics.iter().any(|(name, _)| name == dead))
+            .collect();
+        self.topics.extend(dead);
+        self
+    }
+
     /// How many replicas each partition has. Defaults to the cluster's own default.
     pub fn replication(mut self, replicas: u16) -> Self {
         self.replication = Some(replicas);
