@@ -186,11 +186,7 @@ fn last_cell<'a>(printed: &'a str, key: &str) -> &'a str {
 
 #[tokio::test]
 async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
 
@@ -253,11 +249,7 @@ async fn the_relay_process_publishes_and_exits_cleanly_on_sigterm() {
 #[tokio::test]
 async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
     use common::nats::{TestStream, header, nats_url};
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     let stream = TestStream::new().await;
     let url = nats_url().replacen("nats://", "nats://relay:s3cret@", 1);
     let mut relay = Command::new(BIN)
@@ -326,11 +318,7 @@ async fn the_relay_process_publishes_to_nats_jetstream_with_broker_nats() {
 
 #[tokio::test]
 async fn dead_lists_a_dead_letter_and_redrive_brings_it_back() {
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     outbox
         .enqueue_alone(
             &mut conn,
@@ -376,11 +364,7 @@ async fn dead_lists_a_dead_letter_and_redrive_brings_it_back() {
 /// topic and shows payloads when asked.
 #[tokio::test]
 async fn redrive_and_discard_need_keys_or_all_and_change_nothing_on_a_wrong_key() {
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     for (key, topic, payload) in [
         ("a", "orders", b"{\"id\":1}".to_vec()),
         ("b", "no.such.topic", b"x".to_vec()),
@@ -689,11 +673,7 @@ async fn relay_logs_no_secret(test: &str, rust_log: &str, format: &str) -> Strin
     if !common::services::local_tools_for(test, &[common::services::Service::RabbitMq]) {
         return String::new();
     }
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     let broker = TestBroker::new("bound.only").await;
     let user = common::unique("outbox_user");
     let password = common::unique("pw-secret");
@@ -778,6 +758,17 @@ async fn wait_probe(addr: std::net::SocketAddr, path: &str, code: u16, text: &st
     .await;
 }
 
+/// A schema of the test's own with a migrated outbox table: the schema (dropped with it),
+/// the table's name, its outbox and a connection.
+async fn migrated() -> (TestSchema, String, Outbox, diesel_async::AsyncPgConnection) {
+    let schema = TestSchema::new().await;
+    let table = schema.table("outbox");
+    let outbox = Outbox::builder().table(&table).build().unwrap();
+    let mut conn = schema.connect().await;
+    outbox.migrate(&mut conn).await.unwrap();
+    (schema, table, outbox, conn)
+}
+
 /// The relay process's probes on its one listener: `/livez` and `/readyz` answer 200 while
 /// it works; `/readyz` turns 503 with "broker unavailable" while the broker is out of reach
 /// (through a fault proxy) and with "database unreachable" while the database is, and 200
@@ -786,11 +777,7 @@ async fn wait_probe(addr: std::net::SocketAddr, path: &str, code: u16, text: &st
 async fn the_relay_probes_follow_the_broker_and_the_database() {
     use common::proxy::FaultProxy;
     use std::net::ToSocketAddrs;
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
     let upstream = |authority: String| authority.to_socket_addrs().unwrap().next().unwrap();
@@ -864,22 +851,10 @@ async fn the_relay_probes_follow_the_broker_and_the_database() {
 // relay that tries them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_starts_without_its_broker_when_told_to() {
-    use common::proxy::FaultProxy;
-    use std::net::ToSocketAddrs;
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
-    let upstream = common::broker::amqp_authority()
-        .to_socket_addrs()
-        .unwrap()
-        .next()
-        .unwrap();
-    let mq = FaultProxy::start(upstream).await;
-    mq.set_down(true);
+    let mq = common::proxy::FaultProxy::down_before(&common::broker::amqp_authority()).await;
     let relay = |extra: &[&str]| {
         let mut command = Command::new(BIN);
         command
@@ -925,11 +900,7 @@ async fn the_relay_starts_without_its_broker_when_told_to() {
 /// messages, and returns its metrics once they count all 7 (published, their durations and
 /// their lags), and the table's name.
 async fn metrics_after_seven_published(extra: &[&str]) -> (String, String) {
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     let broker = TestBroker::new("#").await;
     let mut consumer = broker.consumer().await;
     let addr = {
@@ -1240,11 +1211,7 @@ async fn declare_and_relay_on_kafka() {
         return;
     }
     let brokers = common::kafka::brokers();
-    let schema = TestSchema::new().await;
-    let table = schema.table("outbox");
-    let outbox = Outbox::builder().table(&table).build().unwrap();
-    let mut conn = schema.connect().await;
-    outbox.migrate(&mut conn).await.unwrap();
+    let (_schema, table, outbox, mut conn) = migrated().await;
     let prefix = format!("{}.", common::unique("cli"));
     let topic = format!("{prefix}order.created");
     for done in ["created", "found"] {

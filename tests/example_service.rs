@@ -238,16 +238,9 @@ async fn terminate(mut service: Child) {
 // Two worker threads: the fault proxy answers while `start` waits for the service's line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_service_takes_orders_while_the_broker_is_down() {
-    use std::net::ToSocketAddrs;
     let db = Database::create().await;
     let exchange = common::unique("svc");
-    let upstream = common::broker::amqp_authority()
-        .to_socket_addrs()
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = common::proxy::FaultProxy::start(upstream).await;
-    proxy.set_down(true);
+    let proxy = common::proxy::FaultProxy::down_before(&common::broker::amqp_authority()).await;
     let (service, addr) = start(&db, &common::broker::amqp_url_via(proxy.addr), &exchange);
     let (code, answer) = common::eventually(common::DEADLINE, "an order taken", || async {
         common::http::request(

@@ -420,12 +420,7 @@ async fn a_lazy_publisher_starts_while_the_cluster_is_down() {
     }
     let mut f = fixture().await;
     let (prefix, topic) = topic(&brokers(), "t", 1).await;
-    let upstream = std::net::ToSocketAddrs::to_socket_addrs(&brokers())
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = common::proxy::FaultProxy::start(upstream).await;
-    proxy.set_down(true);
+    let proxy = common::proxy::FaultProxy::down_before(&brokers()).await;
     let publisher = KafkaPublisher::builder(proxy.addr.to_string())
         .topic_prefix(&prefix)
         .delivery_timeout(Duration::from_secs(2))

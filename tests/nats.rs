@@ -215,14 +215,7 @@ async fn the_topology_declares_a_stream_and_a_durable_and_a_missing_durable_fail
 async fn a_lazy_publisher_starts_while_the_server_is_down() {
     let mut f = fixture().await;
     let stream = TestStream::new().await;
-    let upstream = nats_url()
-        .trim_start_matches("nats://")
-        .to_socket_addrs()
-        .unwrap()
-        .next()
-        .unwrap();
-    let proxy = FaultProxy::start(upstream).await;
-    proxy.set_down(true);
+    let proxy = FaultProxy::down_before(nats_url().trim_start_matches("nats://")).await;
     let publisher = JetStreamPublisher::builder(format!("nats://{}", proxy.addr))
         .subject_prefix(&stream.prefix)
         .ack_timeout(Duration::from_secs(2))

@@ -761,9 +761,7 @@ async fn the_topology_declares_what_the_relay_and_consumers_need() {
 async fn a_lazy_publisher_starts_while_the_broker_is_down() {
     let mut f = fixture().await;
     let broker = TestBroker::new("#").await;
-    let upstream = amqp_authority().to_socket_addrs().unwrap().next().unwrap();
-    let proxy = FaultProxy::start(upstream).await;
-    proxy.set_down(true);
+    let proxy = FaultProxy::down_before(&amqp_authority()).await;
     let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), &broker.exchange)
         .confirm_timeout(Duration::from_secs(2))
         .connect_lazy()

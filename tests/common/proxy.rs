@@ -57,6 +57,20 @@ impl FaultProxy {
 }
 
 impl FaultProxy {
+    /// A proxy in front of `authority` (`host:port`), down from the start: a service that
+    /// is out of reach until [`set_down(false)`](Self::set_down).
+    pub async fn down_before(authority: &str) -> FaultProxy {
+        use std::net::ToSocketAddrs;
+        let upstream = authority
+            .to_socket_addrs()
+            .expect("a host:port")
+            .next()
+            .expect("an address");
+        let proxy = FaultProxy::start(upstream).await;
+        proxy.set_down(true);
+        proxy
+    }
+
     /// Takes the "broker" down (every connection cut, new ones closed at once) or back up.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
