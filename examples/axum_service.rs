@@ -311,7 +311,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .await?;
     // Starts without the broker when it is down: the relay then holds the events back
     // (spending no attempt) and reports the outage in its health.
-    let publisher = RabbitMqPublisher::builder(&amqp_url, &exchange).connect_lazy()?;
+    let publisher = RabbitMqPublisher::builder(&amqp_url, &exchange)
+        .connect_lazy()
+        .await?;
     let relay = Arc::new(outbox.relay(pool.clone(), publisher).build()?);
     let consumer = Arc::new(
         Consumer::builder(outbox, pool.clone(), "invoicing")

@@ -425,6 +425,7 @@ async fn a_lazy_publisher_starts_while_the_cluster_is_down() {
         .topic_prefix(&prefix)
         .delivery_timeout(Duration::from_secs(2))
         .connect_lazy()
+        .await
         .unwrap();
     f.starts_without_the_broker(&proxy, publisher).await;
     assert_eq!(read(&brokers(), &[topic], 1, 10).await.len(), 10);

@@ -765,6 +765,7 @@ async fn a_lazy_publisher_starts_while_the_broker_is_down() {
     let publisher = RabbitMqPublisher::builder(amqp_url_via(proxy.addr), &broker.exchange)
         .confirm_timeout(Duration::from_secs(2))
         .connect_lazy()
+        .await
         .unwrap();
     f.starts_without_the_broker(&proxy, publisher).await;
     let mut consumer = broker.consumer().await;
@@ -775,6 +776,7 @@ async fn a_lazy_publisher_starts_while_the_broker_is_down() {
     assert_eq!(delivered, 10);
     let bad = RabbitMqPublisher::builder("amqp://guest:s3cret@[bad", &broker.exchange)
         .connect_lazy()
+        .await
         .unwrap_err();
     assert!(matches!(bad, Error::InvalidOption(_)), "{bad:?}");
     assert!(!bad.to_string().contains("s3cret"), "{bad}");

@@ -178,7 +178,7 @@ pub(crate) async fn run(
                     publisher = publisher.tls(tls);
                 }
                 let publisher = if args.start_without_broker {
-                    publisher.connect_lazy()?
+                    publisher.connect_lazy().await?
                 } else {
                     publisher.connect().await?
                 };
@@ -223,7 +223,7 @@ pub(crate) async fn run(
                     publisher = publisher.property(key, value.expose());
                 }
                 let publisher = if args.start_without_broker {
-                    publisher.connect_lazy()?
+                    publisher.connect_lazy().await?
                 } else {
                     publisher.connect().await?
                 };

@@ -351,7 +351,7 @@ impl KafkaPublisherBuilder {
     ///
     /// # Errors
     /// [`Error::InvalidOption`] as for [`connect`](Self::connect).
-    pub fn connect_lazy(self) -> Result<KafkaPublisher> {
+    pub async fn connect_lazy(self) -> Result<KafkaPublisher> {
         let publisher = self.validated()?;
         tracing::info!(
             endpoint = %publisher.endpoint,

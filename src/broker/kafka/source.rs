@@ -572,11 +572,12 @@ impl Commit {
     /// The message is a dead letter, for `reason`: sent to the dead-letter topic (when
     /// the source has one) and, once Kafka confirmed it, its offset committed. When the
     /// produce fails, the offset is left uncommitted (an error, naming why).
+    /// The reason is not logged: a handler's error may quote the message.
     async fn dead_letter(self: Box<Self>, reason: &str) -> Result<(), BoxError> {
         let Some(letter) = &self.letter else {
             tracing::warn!(
                 topic = %self.topic, partition = self.partition, offset = self.offset,
-                reason, "a Kafka message is skipped (the source sends no dead letters)"
+                "a Kafka message is skipped (the source sends no dead letters)"
             );
             return self.commit();
         };

@@ -242,7 +242,8 @@ impl JetStreamPublisherBuilder {
     /// an error at start. Use [`connect`](Self::connect) where NATS should be up at start.
     ///
     /// # Errors
-    /// [`Error::InvalidOption`] as for [`connect`](Self::connect).
+    /// [`Error::InvalidOption`] as for [`connect`](Self::connect); [`Error::Publish`] when
+    /// the client itself cannot be started.
     pub async fn connect_lazy(self) -> Result<JetStreamPublisher> {
         let servers = self.validated()?;
         let (client, lost) = servers

@@ -257,7 +257,7 @@ impl RabbitMqPublisherBuilder {
     ///
     /// # Errors
     /// [`Error::InvalidOption`] as for [`connect`](Self::connect).
-    pub fn connect_lazy(self) -> Result<RabbitMqPublisher> {
+    pub async fn connect_lazy(self) -> Result<RabbitMqPublisher> {
         let publisher = self.validated()?;
         tracing::info!(
             endpoint = %publisher.endpoint.name,
