@@ -1,9 +1,11 @@
 //! `examples/axum_service.rs`, run as a process and driven over HTTP: orders are created,
 //! one is declined and rolled back with its event, every other order gets exactly one
 //! invoice, `/readyz` answers, and SIGTERM drains the relay and the consumer and exits 0.
+//! Started while its broker is down, it and `examples/kafka_service.rs` take orders and
+//! invoice them once the broker is up.
 //!
-//! `cargo test` builds the examples before it runs the tests; run alone, this test needs
-//! `cargo build --example axum_service --features rabbitmq` first.
+//! `cargo test` builds the examples before it runs the tests; run alone, these tests need
+//! `cargo build --examples --all-features` first.
 #![cfg(feature = "rabbitmq")]
 
 mod common;
@@ -19,17 +21,17 @@ use diesel::sql_types::BigInt;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_outbox::Outbox;
 
-/// The example's binary, beside the test binaries' folder.
-fn example() -> PathBuf {
+/// The example `name`'s binary, beside the test binaries' folder.
+fn example(name: &str) -> PathBuf {
     let deps = std::env::current_exe().expect("the test binary's path");
     let target = deps
         .parent()
         .and_then(|d| d.parent())
         .expect("target/<profile>");
-    let path = target.join("examples").join("axum_service");
+    let path = target.join("examples").join(name);
     assert!(
         path.exists(),
-        "{} is missing: cargo build --example axum_service --features rabbitmq",
+        "{} is missing: cargo build --example {name} --all-features",
         path.display()
     );
     path
@@ -87,14 +89,26 @@ async fn numbers(conn: &mut AsyncPgConnection, sql: &str) -> Vec<i64> {
         .collect()
 }
 
-/// Starts the service on the broker at `amqp_url`; returns it with the address it printed.
+/// Starts `axum_service` on the broker at `amqp_url`; returns it with the address it
+/// printed.
 fn start(db: &Database, amqp_url: &str, exchange: &str) -> (Child, SocketAddr) {
-    let mut child = Command::new(example())
+    start_example(
+        "axum_service",
+        db,
+        &[
+            ("AMQP_URL", amqp_url.to_owned()),
+            ("EXCHANGE", exchange.to_owned()),
+            ("QUEUE", format!("{exchange}.invoicing")),
+        ],
+    )
+}
+
+/// Starts the example `name` on `db` with `env`; returns it with the address it printed.
+fn start_example(name: &str, db: &Database, env: &[(&str, String)]) -> (Child, SocketAddr) {
+    let mut child = Command::new(example(name))
         .env("DATABASE_URL", &db.url)
-        .env("AMQP_URL", amqp_url)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .env("LISTEN_ADDR", "127.0.0.1:0")
-        .env("EXCHANGE", exchange)
-        .env("QUEUE", format!("{exchange}.invoicing"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -285,5 +299,74 @@ async fn the_example_service_takes_orders_while_the_broker_is_down() {
     terminate(service).await;
     drop(conn);
     forget(&exchange).await;
+    db.drop_it().await;
+}
+
+/// `kafka_service`, started while Kafka is down: it takes an order, `/readyz` says why it
+/// is not ready while `/livez` stays 200, and once Kafka is up it declares its topics,
+/// starts its consumer and invoices the order exactly once.
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_service_takes_orders_while_kafka_is_down() {
+    let test = "the_kafka_service_takes_orders_while_kafka_is_down";
+    if !common::services::needs(
+        test,
+        common::kafka::missing().or_else(common::kafka::Tansu::missing),
+    ) {
+        return;
+    }
+    let db = Database::create().await;
+    let proxy = common::proxy::FaultProxy::down_before(&common::kafka::brokers()).await;
+    let prefix = format!("{}.", common::unique("shop"));
+    let (service, addr) = start_example(
+        "kafka_service",
+        &db,
+        &[
+            ("KAFKA_BROKERS", proxy.addr.to_string()),
+            ("TOPIC_PREFIX", prefix.clone()),
+            ("GROUP", common::unique("invoicing")),
+        ],
+    );
+    let (_, answer) = common::eventually(common::DEADLINE, "an order taken", || async {
+        common::http::request(
+            addr,
+            "POST",
+            "/orders",
+            Some(r#"{"customer": "ada", "total": 1200}"#),
+        )
+        .filter(|(code, _)| *code == 201)
+    })
+    .await;
+    let id: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    let id = id["id"].as_i64().unwrap_or_else(|| panic!("{answer}"));
+    let (_, body) = common::eventually(common::DEADLINE, "/readyz to say why", || async {
+        common::http::get(addr, "/readyz")
+            .filter(|(code, body)| *code == 503 && body.contains("broker unavailable"))
+    })
+    .await;
+    assert!(body.contains("waiting for its queue or topic"), "{body}");
+    assert_eq!(common::http::get(addr, "/livez").unwrap().0, 200);
+
+    proxy.set_down(false);
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    // A consumer group takes a while to form.
+    let deadline = tokio::time::Instant::now() + 3 * common::DEADLINE;
+    loop {
+        let invoiced = numbers(&mut conn, "SELECT order_id AS n FROM invoices").await;
+        if invoiced == [id] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "invoiced {invoiced:?}, not [{id}], after Kafka came up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    common::eventually(3 * common::DEADLINE, "/readyz to answer 200", || async {
+        common::http::get(addr, "/readyz").filter(|(code, _)| *code == 200)
+    })
+    .await;
+    terminate(service).await;
+    drop(conn);
     db.drop_it().await;
 }
