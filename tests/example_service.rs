@@ -247,16 +247,19 @@ async fn terminate(mut service: Child) {
     assert!(status.success(), "{status:?}");
 }
 
-/// Started while RabbitMQ is down, the service takes orders, says in `/readyz` that the
-/// broker is unavailable, and invoices them once the broker is up.
-// Two worker threads: the fault proxy answers while `start` waits for the service's line.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_example_service_takes_orders_while_the_broker_is_down() {
-    let db = Database::create().await;
-    let exchange = common::unique("svc");
-    let proxy = common::proxy::FaultProxy::down_before(&common::broker::amqp_authority()).await;
-    let (service, addr) = start(&db, &common::broker::amqp_url_via(proxy.addr), &exchange);
-    let (code, answer) = common::eventually(common::DEADLINE, "an order taken", || async {
+/// A service started while its broker is down (behind `proxy`): it takes an order, and
+/// `/readyz` answers 503 saying "broker unavailable" and `says` while `/livez` stays 200;
+/// once the broker is up, the order is invoiced exactly once `within` and `/readyz` turns
+/// 200; SIGTERM ends it cleanly.
+async fn broker_down_at_start(
+    service: Child,
+    addr: SocketAddr,
+    proxy: &common::proxy::FaultProxy,
+    db: &Database,
+    says: &str,
+    within: Duration,
+) {
+    let (_, answer) = common::eventually(common::DEADLINE, "an order taken", || async {
         common::http::request(
             addr,
             "POST",
@@ -267,20 +270,18 @@ async fn the_example_service_takes_orders_while_the_broker_is_down() {
     })
     .await;
     let id: serde_json::Value = serde_json::from_str(&answer).unwrap();
-    let id = id["id"]
-        .as_i64()
-        .unwrap_or_else(|| panic!("{code} {answer}"));
-    let (_, body) = common::eventually(common::DEADLINE, "/readyz to name the broker", || async {
+    let id = id["id"].as_i64().unwrap_or_else(|| panic!("{answer}"));
+    let (_, body) = common::eventually(common::DEADLINE, "/readyz to say why", || async {
         common::http::get(addr, "/readyz")
             .filter(|(code, body)| *code == 503 && body.contains("broker unavailable"))
     })
     .await;
-    assert!(body.contains("\"ok\":false"), "{body}");
+    assert!(body.contains(says), "{body}");
     assert_eq!(common::http::get(addr, "/livez").unwrap().0, 200);
 
     proxy.set_down(false);
     let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
-    let deadline = tokio::time::Instant::now() + common::DEADLINE;
+    let deadline = tokio::time::Instant::now() + within;
     loop {
         let invoiced = numbers(&mut conn, "SELECT order_id AS n FROM invoices").await;
         if invoiced == [id] {
@@ -292,12 +293,23 @@ async fn the_example_service_takes_orders_while_the_broker_is_down() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    common::eventually(common::DEADLINE, "/readyz to answer 200", || async {
+    common::eventually(within, "/readyz to answer 200", || async {
         common::http::get(addr, "/readyz").filter(|(code, _)| *code == 200)
     })
     .await;
     terminate(service).await;
-    drop(conn);
+}
+
+/// Started while RabbitMQ is down, the service takes orders, says in `/readyz` that the
+/// broker is unavailable, and invoices them once the broker is up.
+// Two worker threads: the fault proxy answers while `start` waits for the service's line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_service_takes_orders_while_the_broker_is_down() {
+    let db = Database::create().await;
+    let exchange = common::unique("svc");
+    let proxy = common::proxy::FaultProxy::down_before(&common::broker::amqp_authority()).await;
+    let (service, addr) = start(&db, &common::broker::amqp_url_via(proxy.addr), &exchange);
+    broker_down_at_start(service, addr, &proxy, &db, "\"ok\":false", common::DEADLINE).await;
     forget(&exchange).await;
     db.drop_it().await;
 }
@@ -323,50 +335,19 @@ async fn the_kafka_service_takes_orders_while_kafka_is_down() {
         &db,
         &[
             ("KAFKA_BROKERS", proxy.addr.to_string()),
-            ("TOPIC_PREFIX", prefix.clone()),
+            ("TOPIC_PREFIX", prefix),
             ("GROUP", common::unique("invoicing")),
         ],
     );
-    let (_, answer) = common::eventually(common::DEADLINE, "an order taken", || async {
-        common::http::request(
-            addr,
-            "POST",
-            "/orders",
-            Some(r#"{"customer": "ada", "total": 1200}"#),
-        )
-        .filter(|(code, _)| *code == 201)
-    })
-    .await;
-    let id: serde_json::Value = serde_json::from_str(&answer).unwrap();
-    let id = id["id"].as_i64().unwrap_or_else(|| panic!("{answer}"));
-    let (_, body) = common::eventually(common::DEADLINE, "/readyz to say why", || async {
-        common::http::get(addr, "/readyz")
-            .filter(|(code, body)| *code == 503 && body.contains("broker unavailable"))
-    })
-    .await;
-    assert!(body.contains("waiting for its queue or topic"), "{body}");
-    assert_eq!(common::http::get(addr, "/livez").unwrap().0, 200);
-
-    proxy.set_down(false);
-    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
     // A consumer group takes a while to form.
-    let deadline = tokio::time::Instant::now() + 3 * common::DEADLINE;
-    loop {
-        let invoiced = numbers(&mut conn, "SELECT order_id AS n FROM invoices").await;
-        if invoiced == [id] {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "invoiced {invoiced:?}, not [{id}], after Kafka came up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    common::eventually(3 * common::DEADLINE, "/readyz to answer 200", || async {
-        common::http::get(addr, "/readyz").filter(|(code, _)| *code == 200)
-    })
+    broker_down_at_start(
+        service,
+        addr,
+        &proxy,
+        &db,
+        "waiting for its queue or topic",
+        3 * common::DEADLINE,
+    )
     .await;
-    terminate(service).await;
-    drop(conn);
     db.drop_it().await;
 }
