@@ -12,6 +12,7 @@ use super::options::Options;
 use super::store::{Beat, Store};
 use crate::health::Vitals;
 use crate::shutdown::or_stop;
+use crate::streak::{Loudness, Streak};
 
 /// Beats every [`Options::heartbeat`] until `stop` (every poll interval while the table has
 /// no cursor, which a move to the log engine may give it). The beats of a run that ended
@@ -26,19 +27,32 @@ pub(super) async fn run(
 ) {
     let every = options.heartbeat();
     let mut failing = false;
+    let mut slow = Streak::default();
     loop {
         // A beat is not cut short by the stop: the give-back at the run's end waits for it
         // (a take cut short could still reach the database after the give-back).
         let asked = tokio::time::Instant::now();
         let beat = store.heartbeat(&options).await;
         let took = asked.elapsed();
-        if took > options.cursor_lease / 2 {
-            tracing::warn!(
-                table = %table, took = ?took, cursor_lease = ?options.cursor_lease,
-                "the log cursor's heartbeat took over half the cursor lease (no connection \
-                 free in the pool, or a slow database): a relay whose renewals take a lease \
-                 loses the cursor, and stops publishing from it"
-            );
+        if took <= options.cursor_lease / 2 {
+            if let Some(slow_for) = slow.ended() {
+                tracing::info!(table = %table, slow_for = ?slow_for, "the log cursor's heartbeat is quick again");
+            }
+        } else {
+            // Said once, then once a minute while it lasts.
+            match slow.failed() {
+                Loudness::First => tracing::warn!(
+                    table = %table, took = ?took, cursor_lease = ?options.cursor_lease,
+                    "the log cursor's heartbeat took over half the cursor lease (no connection \
+                     free in the pool, or a slow database): a relay whose renewals take a \
+                     lease loses the cursor, and stops publishing from it"
+                ),
+                Loudness::Again(slow_for) => tracing::error!(
+                    table = %table, took = ?took, slow_for = ?slow_for,
+                    "the log cursor's heartbeat is still slow"
+                ),
+                Loudness::Quiet => {}
+            }
         }
         let pause = match beat {
             Ok(beat) => {
