@@ -83,7 +83,8 @@ pub(crate) fn producer(
 /// A consumed message as its dead letter would be: kept until it is settled.
 pub(crate) struct Letter {
     producer: DeadLetterProducer,
-    topic: String,
+    /// Where it goes, named only when it is sent (most messages never are).
+    to: Arc<DeadLetterTopic>,
     key: Option<Vec<u8>>,
     payload: Vec<u8>,
     headers: Vec<(String, Option<Vec<u8>>)>,
@@ -91,10 +92,10 @@ pub(crate) struct Letter {
 }
 
 impl Letter {
-    /// `message` as a dead letter to `topic`.
+    /// `message` as a dead letter, to go where `to` says.
     pub(crate) fn of(
         producer: DeadLetterProducer,
-        topic: String,
+        to: Arc<DeadLetterTopic>,
         message: &BorrowedMessage<'_>,
     ) -> Letter {
         let headers = message.headers().map_or_else(Vec::new, |all| {
@@ -104,7 +105,7 @@ impl Letter {
         });
         Letter {
             producer,
-            topic,
+            to,
             key: message.key().map(<[u8]>::to_vec),
             payload: message.payload().unwrap_or_default().to_vec(),
             headers,
@@ -120,6 +121,9 @@ impl Letter {
     /// was consumed and why (`reason`), and waits for the broker's report.
     pub(crate) async fn send(&self, reason: &str) -> Result<(), String> {
         let (topic, partition, offset) = (&self.from.0, self.from.1, self.from.2);
+        let Some(to) = self.to.of(topic) else {
+            return Ok(());
+        };
         let (partition_text, offset_text) = (partition.to_string(), offset.to_string());
         let ours = [
             (DLT_TOPIC_HEADER, topic.as_bytes()),
@@ -140,7 +144,7 @@ impl Letter {
                 value: Some(value),
             });
         }
-        let mut record = FutureRecord::to(&self.topic)
+        let mut record = FutureRecord::to(&to)
             .payload(&self.payload)
             .headers(headers);
         if let Some(key) = &self.key {
@@ -153,8 +157,7 @@ impl Letter {
             .map_err(|(e, _)| {
                 format!(
                     "producing the dead letter of {topic} partition {partition} offset {offset} \
-                     to {}: {e}",
-                    self.topic
+                     to {to}: {e}"
                 )
             })
     }

@@ -66,7 +66,7 @@ pub struct Source {
     properties: Properties,
     offsets: Arc<Mutex<Offsets>>,
     consumer: Option<Arc<StreamConsumer<Tracked>>>,
-    dead_letters: DeadLetterTopic,
+    dead_letters: Arc<DeadLetterTopic>,
     producer: Option<DeadLetterProducer>,
 }
 
@@ -109,7 +109,7 @@ impl Source {
             properties: Properties::default(),
             offsets: Arc::default(),
             consumer: None,
-            dead_letters: DeadLetterTopic::default(),
+            dead_letters: Arc::default(),
             producer: None,
         }
     }
@@ -131,14 +131,14 @@ impl Source {
     ///
     /// Hazard: the reason holds the handler's error as text, which may quote the message.
     pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
-        self.dead_letters = DeadLetterTopic::Named(topic.into());
+        self.dead_letters = Arc::new(DeadLetterTopic::Named(topic.into()));
         self
     }
 
     /// Sends no dead letters: a message the handler rejected is logged and skipped (its
     /// offset committed), as is one without an idempotency key.
     pub fn without_dead_letter_topic(mut self) -> Self {
-        self.dead_letters = DeadLetterTopic::Off;
+        self.dead_letters = Arc::new(DeadLetterTopic::Off);
         self
     }
 
@@ -228,7 +228,7 @@ impl Source {
                     passthrough::refused(&e, &config)
                 )
             })?;
-        if self.dead_letters != DeadLetterTopic::Off && self.producer.is_none() {
+        if *self.dead_letters != DeadLetterTopic::Off && self.producer.is_none() {
             self.producer = Some(super::dead_letters::producer(
                 &endpoint,
                 &self.security,
@@ -296,8 +296,7 @@ impl crate::consumer::Source for Source {
             let letter = self
                 .producer
                 .as_ref()
-                .zip(self.dead_letters.of(&topic))
-                .map(|(producer, to)| Letter::of(producer.clone(), to, &message));
+                .map(|producer| Letter::of(producer.clone(), self.dead_letters.clone(), &message));
             let settle = Box::new(Commit {
                 consumer: consumer.clone(),
                 offsets: self.offsets.clone(),
