@@ -1,7 +1,8 @@
 //! (a) Relay throughput against raw lapin publishing the same messages, with the CPU of
 //! each process; (a′) the relay's PostgreSQL CPU per message against a bare claim +
-//! mark-sent loop over as many rows; (a″) the relay process's CPU per message against raw
-//! lapin's; (g) the relay's peak memory.
+//! mark-sent loop over as many rows, and against a plain read of as many rows (the floor:
+//! what reading them once costs PostgreSQL, with no bookkeeping at all); (a″) the relay
+//! process's CPU per message against raw lapin's; (g) the relay's peak memory.
 
 use std::time::Instant;
 
@@ -113,6 +114,36 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let bare_rate = n as f64 / started.elapsed().as_secs_f64();
     let bare_cpu = bare_window.used(n);
 
+    // The floor: as many fresh rows on the engine measured, read once in id order through a
+    // cursor, in pages of the batch size, in one transaction. No lease, no cursor row, no
+    // outcome: what any relay must pay PostgreSQL to get the rows out.
+    let floor = env.outbox("floor").await?;
+    env.fill(&floor, n, Keys::Unordered).await?;
+    env.conn.batch_execute("CHECKPOINT").await?;
+    let mut floor_conn = diesel_outbox::establish(&env.database_url).await?;
+    let floor_window = env.cpu(None);
+    floor_conn
+        .batch_execute(&format!(
+            "BEGIN; DECLARE floor NO SCROLL CURSOR FOR SELECT id, idempotency_key AS key, \
+             topic, aggregate_key, payload, content_type, headers, attempts \
+             FROM {} ORDER BY id",
+            floor.table()
+        ))
+        .await?;
+    let mut read = 0;
+    loop {
+        let rows: Vec<Row> = diesel::sql_query(format!("FETCH {batch} FROM floor"))
+            .load(&mut floor_conn)
+            .await?;
+        if rows.is_empty() {
+            break;
+        }
+        read += rows.len();
+    }
+    floor_conn.batch_execute("COMMIT").await?;
+    assert_eq!(read, n);
+    let floor_cpu = floor_window.used(n);
+
     // The naive relay: claim one row, publish, await the confirm, mark it sent.
     let naive = env
         .outbox_on("naive", diesel_outbox::Engine::PerRow)
@@ -167,7 +198,7 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
     let naive_rate = naive_n as f64 / started.elapsed().as_secs_f64();
     env.drop_queue(&queue).await?;
 
-    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process", "cpu_raw": raw_cpu.json(), "cpu_relay": relay.cpu.json(), "cpu_bare_loop": bare_cpu.json(), "bare_loop_rows_per_s": crate::round(bare_rate) });
+    let params = json!({ "messages": n, "payload_bytes": KIB, "batch_size": batch, "raw_window": window, "naive_messages": naive_n, "relay": "diesel-outbox relay process", "cpu_raw": raw_cpu.json(), "cpu_relay": relay.cpu.json(), "cpu_bare_loop": bare_cpu.json(), "cpu_plain_read": floor_cpu.json(), "bare_loop_rows_per_s": crate::round(bare_rate) });
     let figures = vec![
         Figure {
             name: "a. relay vs raw lapin",
@@ -197,6 +228,17 @@ pub(crate) async fn throughput(env: &mut Env) -> BoxResult<Vec<Figure>> {
                 diesel_outbox::Engine::Log => "<= 0.35 x",
                 _ => "<= 1.30 x",
             },
+            params: params.clone(),
+        },
+        Figure {
+            name: "a′. relay's PostgreSQL CPU per message vs a plain read",
+            value: relay.cpu.us[POSTGRES],
+            unit: "µs",
+            baseline: Some((
+                "a plain cursor read of as many rows, per row (the floor)",
+                floor_cpu.us[POSTGRES],
+            )),
+            target: "(the floor)",
             params: params.clone(),
         },
         Figure {
