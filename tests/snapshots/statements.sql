@@ -436,54 +436,32 @@ SELECT lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_att
 -- log read_page
 -- params: bigint, bigint, text, text, bigint, bigint
 -- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
-WITH w AS MATERIALIZED (
-SELECT o.id, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
+SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
+    SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
+SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
         FROM "sales"."orders_outbox" o WHERE o.id > $1 AND o.id <= $2 AND (o.status || '') = 'logged'
         AND pg_visible_in_snapshot(o.xid, $4::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot)
         ORDER BY o.id LIMIT $5
-), c AS MATERIALIZED (
-    SELECT max(id) FILTER (WHERE n < $5 AND (n = 1 OR total <= $6)) AS last, count(*) AS read FROM (
-        SELECT id, row_number() OVER (ORDER BY id) AS n, sum(bytes) OVER (ORDER BY id) AS total FROM w
-    ) AS s
-)
-SELECT p.id, p.key, p.topic, p.aggregate_key, p.payload, p.content_type, p.headers, p.created_at, p.delayed, c.read FROM c CROSS JOIN LATERAL (
-SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed
-        FROM "sales"."orders_outbox" o WHERE o.id > $1 AND o.id <= $2 AND o.id <= c.last AND (o.status || '') = 'logged'
-        AND pg_visible_in_snapshot(o.xid, $4::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot)
-        ORDER BY o.id LIMIT $5
-) AS p ORDER BY p.id;
+    ) AS p
+) AS q WHERE n < $5 AND (n = 1 OR total <= $6) ORDER BY id;
 
 -- log read_late_page
 -- params: bigint, bigint, bigint, text, text, bigint, bigint
 -- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
-WITH w AS MATERIALIZED (
+SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
+    SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
 SELECT * FROM (
         (SELECT r.* FROM pg_snapshot_xip($4::pg_snapshot) AS x(xid)
-        CROSS JOIN LATERAL (SELECT o.id, octet_length(o.payload) + octet_length(o.headers::text) AS bytes FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > $1 AND o.id <= $2 ORDER BY o.id LIMIT $6) AS r
+        CROSS JOIN LATERAL (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > $1 AND o.id <= $2 ORDER BY o.id LIMIT $6) AS r
         WHERE pg_visible_in_snapshot(x.xid, $5::pg_snapshot) ORDER BY r.id LIMIT $6)
         UNION ALL
-        (SELECT o.id, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
+        (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
         FROM "sales"."orders_outbox" o WHERE o.id > $2 AND o.id <= $3 AND (o.status || '') = 'logged'
         AND pg_visible_in_snapshot(o.xid, $5::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $4::pg_snapshot)
         ORDER BY o.id LIMIT $6)
     ) AS u ORDER BY u.id LIMIT $6
-), c AS MATERIALIZED (
-    SELECT max(id) FILTER (WHERE n < $6 AND (n = 1 OR total <= $7)) AS last, count(*) AS read FROM (
-        SELECT id, row_number() OVER (ORDER BY id) AS n, sum(bytes) OVER (ORDER BY id) AS total FROM w
-    ) AS s
-)
-SELECT p.id, p.key, p.topic, p.aggregate_key, p.payload, p.content_type, p.headers, p.created_at, p.delayed, c.read FROM c CROSS JOIN LATERAL (
-SELECT * FROM (
-        (SELECT r.* FROM pg_snapshot_xip($4::pg_snapshot) AS x(xid)
-        CROSS JOIN LATERAL (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > $1 AND o.id <= $2 AND o.id <= c.last ORDER BY o.id LIMIT $6) AS r
-        WHERE pg_visible_in_snapshot(x.xid, $5::pg_snapshot) ORDER BY r.id LIMIT $6)
-        UNION ALL
-        (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed
-        FROM "sales"."orders_outbox" o WHERE o.id > $2 AND o.id <= $3 AND o.id <= c.last AND (o.status || '') = 'logged'
-        AND pg_visible_in_snapshot(o.xid, $5::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $4::pg_snapshot)
-        ORDER BY o.id LIMIT $6)
-    ) AS u ORDER BY u.id LIMIT $6
-) AS p ORDER BY p.id;
+    ) AS p
+) AS q WHERE n < $6 AND (n = 1 OR total <= $7) ORDER BY id;
 
 -- log pending_aggregates
 -- params: text[], bigint[]

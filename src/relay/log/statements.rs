@@ -145,39 +145,21 @@ const SYNCHRONOUS: &str = "set_config('synchronous_commit', 'on', true) IS NOT N
 const PAGE_COLUMNS: &str = "o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, \
      o.content_type, o.headers::text AS headers, \
      CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' \
-     THEN o.created_at END AS created_at, o.available_at > now() AS delayed";
+     THEN o.created_at END AS created_at, o.available_at > now() AS delayed, \
+     octet_length(o.payload) + octet_length(o.headers::text) AS bytes";
 
-/// What the byte budget needs of a row, from the table as `o`: no payload copied.
-const SIZE_COLUMNS: &str = "o.id, octet_length(o.payload) + octet_length(o.headers::text) AS bytes";
-
-/// A page of the rows `rows(columns, upto)` gives (in id order, at most `limit`, none past
-/// `upto` when it is given), cut at the byte budget (always one row); `read` says how many
-/// rows the scan found, so a page cut by bytes is not taken for the tick's end.
-///
-/// Two passes over the same rows in the statement's one snapshot: the first reads only
-/// their ids and sizes and cuts the page, the second reads the rows the page keeps. A cut
-/// over whole rows would copy every payload through the window's buffers.
-fn page_of(
-    rows: &dyn Fn(&str, Option<&str>) -> String,
-    limit: &dyn std::fmt::Display,
-    max_bytes: &dyn std::fmt::Display,
-) -> String {
+/// A page of `rows` (in id order, at most `limit`), cut at the byte budget (always one row);
+/// `read` says how many rows the scan found, so a page cut by bytes is not taken for the
+/// tick's end.
+fn page_of(rows: &str, limit: &dyn std::fmt::Display, max_bytes: &dyn std::fmt::Display) -> String {
     format!(
-        "WITH w AS MATERIALIZED (\n\
-         {sizes}\n\
-         ), c AS MATERIALIZED (\n\
-         \x20   SELECT max(id) FILTER (WHERE n < {limit} AND (n = 1 OR total <= {max_bytes})) AS last, \
-         count(*) AS read FROM (\n\
-         \x20       SELECT id, row_number() OVER (ORDER BY id) AS n, sum(bytes) OVER (ORDER BY id) AS total \
-         FROM w\n\
-         \x20   ) AS s\n\
-         )\n\
-         SELECT p.id, p.key, p.topic, p.aggregate_key, p.payload, p.content_type, p.headers, \
-         p.created_at, p.delayed, c.read FROM c CROSS JOIN LATERAL (\n\
-         {kept}\n\
-         ) AS p ORDER BY p.id",
-        sizes = rows(SIZE_COLUMNS, None),
-        kept = rows(PAGE_COLUMNS, Some("c.last")),
+        "SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, \
+         delayed, read FROM (\n\
+         \x20   SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, \
+         row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (\n\
+         {rows}\n\
+         \x20   ) AS p\n\
+         ) AS q WHERE n < {limit} AND (n = 1 OR total <= {max_bytes}) ORDER BY id"
     )
 }
 
@@ -194,19 +176,14 @@ impl LogStatements {
         // expression the `(xid, id) WHERE status = 'logged'` index cannot stand for:
         // offered that smaller index, the planner would read every row of the tick past
         // `from` and sort them, per page.
-        let walk = |columns: &str,
-                    upto: Option<&str>,
-                    from: &dyn std::fmt::Display,
+        let walk = |from: &dyn std::fmt::Display,
                     ceiling: &dyn std::fmt::Display,
                     lo: &dyn std::fmt::Display,
                     hi: &dyn std::fmt::Display,
                     limit: &dyn std::fmt::Display| {
-            let upto = upto
-                .map(|u| format!(" AND o.id <= {u}"))
-                .unwrap_or_default();
             format!(
-                "SELECT {columns}\n\
-                 \x20       FROM {t} o WHERE o.id > {from} AND o.id <= {ceiling}{upto} AND (o.status || '') = 'logged'\n\
+                "SELECT {PAGE_COLUMNS}\n\
+                 \x20       FROM {t} o WHERE o.id > {from} AND o.id <= {ceiling} AND (o.status || '') = 'logged'\n\
                  \x20       AND pg_visible_in_snapshot(o.xid, {hi}::pg_snapshot) \
                  AND NOT pg_visible_in_snapshot(o.xid, {lo}::pg_snapshot)\n\
                  \x20       ORDER BY o.id LIMIT {limit}"
@@ -272,17 +249,13 @@ impl LogStatements {
                 tick = OpenTick::tick,
             )),
             read_page: Sql::new(page_of(
-                &|columns, upto| {
-                    walk(
-                        columns,
-                        upto,
-                        &ReadPage::from,
-                        &ReadPage::ceiling,
-                        &ReadPage::lo,
-                        &ReadPage::hi,
-                        &ReadPage::limit,
-                    )
-                },
+                &walk(
+                    &ReadPage::from,
+                    &ReadPage::ceiling,
+                    &ReadPage::lo,
+                    &ReadPage::hi,
+                    &ReadPage::limit,
+                ),
                 &ReadPage::limit,
                 &ReadPage::max_bytes,
             )),
@@ -292,36 +265,29 @@ impl LogStatements {
             // the relays passed meanwhile are skipped, not walked. Past `walk_from`, the
             // primary key is walked as by `read_page`.
             read_late_page: Sql::new(page_of(
-                &|columns, upto| {
-                    let bound = upto
-                        .map(|u| format!(" AND o.id <= {u}"))
-                        .unwrap_or_default();
-                    format!(
-                        "SELECT * FROM (\n\
-                         \x20       (SELECT r.* FROM pg_snapshot_xip({lo}::pg_snapshot) AS x(xid)\n\
-                         \x20       CROSS JOIN LATERAL (SELECT {columns} FROM {t} o \
-                         WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > {from} AND o.id <= {walk_from}{bound} \
-                         ORDER BY o.id LIMIT {limit}) AS r\n\
-                         \x20       WHERE pg_visible_in_snapshot(x.xid, {hi}::pg_snapshot) ORDER BY r.id LIMIT {limit})\n\
-                         \x20       UNION ALL\n\
-                         \x20       ({rest})\n\
-                         \x20   ) AS u ORDER BY u.id LIMIT {limit}",
-                        lo = ReadLatePage::lo,
-                        hi = ReadLatePage::hi,
-                        from = ReadLatePage::from,
-                        walk_from = ReadLatePage::walk_from,
-                        limit = ReadLatePage::limit,
-                        rest = walk(
-                            columns,
-                            upto,
-                            &ReadLatePage::walk_from,
-                            &ReadLatePage::ceiling,
-                            &ReadLatePage::lo,
-                            &ReadLatePage::hi,
-                            &ReadLatePage::limit,
-                        ),
-                    )
-                },
+                &format!(
+                    "SELECT * FROM (\n\
+                     \x20       (SELECT r.* FROM pg_snapshot_xip({lo}::pg_snapshot) AS x(xid)\n\
+                     \x20       CROSS JOIN LATERAL (SELECT {PAGE_COLUMNS} FROM {t} o \
+                     WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > {from} AND o.id <= {walk_from} \
+                     ORDER BY o.id LIMIT {limit}) AS r\n\
+                     \x20       WHERE pg_visible_in_snapshot(x.xid, {hi}::pg_snapshot) ORDER BY r.id LIMIT {limit})\n\
+                     \x20       UNION ALL\n\
+                     \x20       ({rest})\n\
+                     \x20   ) AS u ORDER BY u.id LIMIT {limit}",
+                    lo = ReadLatePage::lo,
+                    hi = ReadLatePage::hi,
+                    from = ReadLatePage::from,
+                    walk_from = ReadLatePage::walk_from,
+                    limit = ReadLatePage::limit,
+                    rest = walk(
+                        &ReadLatePage::walk_from,
+                        &ReadLatePage::ceiling,
+                        &ReadLatePage::lo,
+                        &ReadLatePage::hi,
+                        &ReadLatePage::limit,
+                    ),
+                ),
                 &ReadLatePage::limit,
                 &ReadLatePage::max_bytes,
             )),
