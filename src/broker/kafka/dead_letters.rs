@@ -121,8 +121,13 @@ impl Letter {
     /// was consumed and why (`reason`), and waits for the broker's report.
     pub(crate) async fn send(&self, reason: &str) -> Result<(), String> {
         let (topic, partition, offset) = (&self.from.0, self.from.1, self.from.2);
+        // A source that sends no dead letters makes no letters: this is not reached, and
+        // if it were, the message would stay uncommitted rather than be skipped unsaid.
         let Some(to) = self.to.of(topic) else {
-            return Ok(());
+            return Err(format!(
+                "the dead letter of {topic} partition {partition} offset {offset} has no \
+                 dead-letter topic: the source sends none"
+            ));
         };
         let (partition_text, offset_text) = (partition.to_string(), offset.to_string());
         let ours = [

@@ -238,7 +238,8 @@ impl JetStreamPublisherBuilder {
     /// why). For a service that must take requests while NATS is down, at deploy time too.
     ///
     /// Only what can be checked without a server is checked here: a refused login or no
-    /// stream for the subjects shows as an outage naming it, not as an error at start. Use [`connect`](Self::connect) where NATS should be up at start.
+    /// stream for the subjects shows as an outage naming it, not as an error at start. Use
+    /// [`connect`](Self::connect) where NATS should be up at start.
     ///
     /// # Errors
     /// [`Error::InvalidOption`] as for [`connect`](Self::connect); [`Error::Publish`] when
