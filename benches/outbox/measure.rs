@@ -95,6 +95,16 @@ impl Cpu {
 }
 
 impl CpuUse {
+    /// CPU microseconds per item, every process together.
+    pub(crate) fn total_us(&self) -> f64 {
+        self.us.iter().sum()
+    }
+
+    /// Cores in use on average, every process together.
+    pub(crate) fn total_cores(&self) -> f64 {
+        self.cores.iter().sum()
+    }
+
     /// As JSON for a figure's parameters.
     pub(crate) fn json(&self) -> serde_json::Value {
         let mut v = json!({});
