@@ -5,9 +5,9 @@
 //! transaction that is rolled back, on an empty table whose statistics say so and again
 //! once the table holds 100,000 rows the statistics know nothing of (a plan cached while
 //! the table was small). It fails on a plan the JIT would compile, a sequential scan of
-//! the outbox or the inbox, or more rows read than the statement returns can explain; the
-//! statements still known to scan with a plan cached while the table was empty are listed
-//! in `CACHED_SCANS`.
+//! the outbox or the inbox, more rows read than the statement returns can explain, or a
+//! filter that casts a parameter to a snapshot on every row; the statements still known
+//! to scan with a plan cached while the table was empty are listed in `CACHED_SCANS`.
 
 mod common;
 
@@ -280,6 +280,14 @@ async fn check(
         {
             let _ = write!(wrong, " a sequential scan of {relation};");
         }
+        for key in ["Filter", "Join Filter"] {
+            if let Some(cast) = node[key].as_str().and_then(parameter_cast) {
+                let _ = write!(
+                    wrong,
+                    " casts the parameter {cast} again for every row its filter tests;"
+                );
+            }
+        }
         if kind.ends_with("Scan") && !relation.is_empty() || kind == "Bitmap Index Scan" {
             let n = |k: &str| node[k].as_f64().unwrap_or(0.0);
             read += (n("Actual Rows")
@@ -304,6 +312,19 @@ async fn check(
         failures.push(format!("{} ({tables}):{wrong}\n{text}", s.name));
     }
     ran
+}
+
+/// The first parameter a filter casts to a snapshot (`($3)::pg_snapshot`), if any: a
+/// generic plan casts it on every row it filters, which costs in proportion to every
+/// transaction the snapshot lists. Cast once in a scalar subquery, it is an init plan's
+/// value (`$2`), which no cast follows.
+fn parameter_cast(filter: &str) -> Option<&str> {
+    filter.match_indices(")::pg_snapshot").find_map(|(end, _)| {
+        let start = filter[..end].rfind("($")?;
+        let number = &filter[start + 2..end];
+        (!number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| &filter[start + 1..end])
+    })
 }
 
 /// An argument of the given type that the statements take as a plausible value: a batch

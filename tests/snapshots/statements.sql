@@ -413,16 +413,16 @@ RETURNING lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_
 
 -- log open_tick
 -- params: bigint, bigint, text, bigint, bigint
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 WITH s AS MATERIALIZED (SELECT pg_current_snapshot() AS cur),
 n AS MATERIALIZED (
-    SELECT min(o.id) AS floor, max(o.id) AS ceiling, min(o.id) FILTER (WHERE o.xid >= pg_snapshot_xmax($3::pg_snapshot)) AS fresh
+    SELECT min(o.id) AS floor, max(o.id) AS ceiling, min(o.id) FILTER (WHERE o.xid >= (SELECT pg_snapshot_xmax($3::pg_snapshot))) AS fresh
     FROM (
         SELECT i.id, i.xid FROM "sales"."orders_outbox" i WHERE i.status = 'logged' AND i.xid = ANY(ARRAY(SELECT pg_snapshot_xip($3::pg_snapshot)))
         UNION ALL
         SELECT i.id, i.xid FROM "sales"."orders_outbox" i WHERE i.status = 'logged' AND i.xid >= pg_snapshot_xmax($3::pg_snapshot)
     ) AS o, s
-    WHERE NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot) AND pg_visible_in_snapshot(o.xid, s.cur)
+    WHERE NOT pg_visible_in_snapshot(o.xid, (SELECT $3::pg_snapshot)) AND pg_visible_in_snapshot(o.xid, s.cur)
 ), opened AS (
     UPDATE "sales"."orders_outbox_cursor" c SET lo = c.hi, hi = s.cur, ceiling = n.ceiling, after = n.floor - 1, walk_from = coalesce(n.fresh - 1, n.ceiling), tick = c.tick + 1, page_attempts = 0, lease_until = now() + $5 * interval '1 microsecond'
     FROM s, n
@@ -435,29 +435,29 @@ SELECT lo::text AS lo, hi::text AS hi, ceiling, after, walk_from, tick, page_att
 
 -- log read_page
 -- params: bigint, bigint, text, text, bigint, bigint
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
 SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
         FROM "sales"."orders_outbox" o WHERE o.id > $1 AND o.id <= $2 AND (o.status || '') = 'logged'
-        AND pg_visible_in_snapshot(o.xid, $4::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $3::pg_snapshot)
+        AND pg_visible_in_snapshot(o.xid, (SELECT $4::pg_snapshot)) AND NOT pg_visible_in_snapshot(o.xid, (SELECT $3::pg_snapshot))
         ORDER BY o.id LIMIT $5
     ) AS p
 ) AS q WHERE n < $5 AND (n = 1 OR total <= $6) ORDER BY id;
 
 -- log read_late_page
 -- params: bigint, bigint, bigint, text, text, bigint, bigint
--- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off; SET LOCAL plan_cache_mode = force_custom_plan
+-- under: SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off
 SELECT id, key, topic, aggregate_key, payload, content_type, headers, created_at, delayed, read FROM (
     SELECT p.*, sum(p.bytes) OVER (ORDER BY p.id) AS total, row_number() OVER (ORDER BY p.id) AS n, count(*) OVER () AS read FROM (
 SELECT * FROM (
         (SELECT r.* FROM pg_snapshot_xip($4::pg_snapshot) AS x(xid)
         CROSS JOIN LATERAL (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = x.xid AND o.id > $1 AND o.id <= $2 ORDER BY o.id LIMIT $6) AS r
-        WHERE pg_visible_in_snapshot(x.xid, $5::pg_snapshot) ORDER BY r.id LIMIT $6)
+        WHERE pg_visible_in_snapshot(x.xid, (SELECT $5::pg_snapshot)) ORDER BY r.id LIMIT $6)
         UNION ALL
         (SELECT o.id, o.idempotency_key AS key, o.topic, o.aggregate_key, o.payload, o.content_type, o.headers::text AS headers, CASE WHEN o.created_at BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59+00' THEN o.created_at END AS created_at, o.available_at > now() AS delayed, octet_length(o.payload) + octet_length(o.headers::text) AS bytes
         FROM "sales"."orders_outbox" o WHERE o.id > $2 AND o.id <= $3 AND (o.status || '') = 'logged'
-        AND pg_visible_in_snapshot(o.xid, $5::pg_snapshot) AND NOT pg_visible_in_snapshot(o.xid, $4::pg_snapshot)
+        AND pg_visible_in_snapshot(o.xid, (SELECT $5::pg_snapshot)) AND NOT pg_visible_in_snapshot(o.xid, (SELECT $4::pg_snapshot))
         ORDER BY o.id LIMIT $6)
     ) AS u ORDER BY u.id LIMIT $6
     ) AS p
@@ -498,7 +498,7 @@ SELECT owner, greatest(0, floor(extract(epoch FROM lease_until - now()) * 100000
 
 -- log committed
 -- params: text
-SELECT (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= pg_snapshot_xmax($1::pg_snapshot) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL OR (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($1::pg_snapshot))) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL AS found;
+SELECT (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid >= (SELECT pg_snapshot_xmax($1::pg_snapshot)) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL OR (SELECT o.xid FROM "sales"."orders_outbox" o WHERE o.status = 'logged' AND o.xid = ANY(ARRAY(SELECT pg_snapshot_xip($1::pg_snapshot))) AND pg_visible_in_snapshot(o.xid, pg_current_snapshot()) ORDER BY o.xid LIMIT 1) IS NOT NULL AS found;
 
 -- watch
 SELECT pg_try_advisory_lock(1869968503, '"sales"."orders_outbox"'::regclass::oid::int4) AS got, EXISTS (
