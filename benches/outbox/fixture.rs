@@ -533,6 +533,12 @@ impl Arrivals {
         }
     }
 
+    /// Stops consuming; when each message, by its key, first arrived.
+    pub(crate) fn times(self) -> HashMap<String, Instant> {
+        self.task.abort();
+        std::mem::take(&mut *self.at.lock().unwrap())
+    }
+
     /// Stops consuming; each message's latency in milliseconds from its commit (in
     /// `committed`) to its arrival (one that arrived first counts as zero). Fails unless
     /// every committed message arrived.

@@ -26,6 +26,7 @@ mod common;
 mod consumer;
 mod enqueue_cost;
 mod fixture;
+mod held_horizon;
 mod history;
 mod jetstream;
 mod kafka;
@@ -108,6 +109,9 @@ enum Scenario {
     /// (n) steady streams of 200, 1,000 and 5,000 msg/s against a backlog's drain.
     #[value(alias = "n")]
     Steady,
+    /// (m) a steady stream of 800 msg/s while a transaction holds the xmin horizon.
+    #[value(alias = "m")]
+    HeldHorizon,
 }
 
 /// One measured figure beside its same-run baseline.
@@ -248,6 +252,9 @@ async fn main() -> BoxResult<()> {
             }
             if run(Scenario::Steady) {
                 found.extend(steady::steady(&mut env).await?);
+            }
+            if run(Scenario::HeldHorizon) {
+                found.extend(held_horizon::held_horizon(&mut env).await?);
             }
             figures.extend(found.into_iter().map(|f| (*engine, f)));
         }

@@ -136,7 +136,7 @@ struct Stream {
 }
 
 /// A relay process on a fresh table, its database sessions named `app`.
-async fn start_relay(
+pub(crate) async fn start_relay(
     env: &mut Env,
     name: &str,
     exchange: &str,
@@ -306,7 +306,7 @@ async fn writers_alone(env: &mut Env, rate: f64, secs: f64) -> BoxResult<f64> {
 }
 
 /// A connection for each of [`WRITERS`] writers.
-async fn connect_writers(env: &Env) -> BoxResult<Vec<AsyncPgConnection>> {
+pub(crate) async fn connect_writers(env: &Env) -> BoxResult<Vec<AsyncPgConnection>> {
     let mut writers = Vec::new();
     for _ in 0..WRITERS {
         writers.push(diesel_outbox::establish(&env.database_url).await?);
@@ -318,7 +318,7 @@ async fn connect_writers(env: &Env) -> BoxResult<Vec<AsyncPgConnection>> {
 /// `i / rate`, and writer `w` writes every [`WRITERS`]-th, on time or as soon as it can,
 /// each in a transaction of its own. Each message's key and commit time, and how long
 /// the writing took.
-async fn write(
+pub(crate) async fn write(
     writers: Vec<AsyncPgConnection>,
     outbox: &Outbox,
     rate: f64,
