@@ -543,8 +543,7 @@ impl Arrivals {
     /// `committed`) to its arrival (one that arrived first counts as zero). Fails unless
     /// every committed message arrived.
     pub(crate) fn stop(self, committed: &[(String, Instant)]) -> BoxResult<Vec<f64>> {
-        self.task.abort();
-        let at = self.at.lock().unwrap();
+        let at = self.times();
         let latencies: Vec<f64> = committed
             .iter()
             .filter_map(|(key, t0)| {

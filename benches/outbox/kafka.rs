@@ -150,7 +150,7 @@ pub(crate) async fn kafka(env: &mut Env) -> BoxResult<Vec<Figure>> {
         value: ceiling(&relay.cpu),
         unit: "msg/s",
         baseline: Some(("raw rdkafka, idempotent, acks=all", raw_rate)),
-        target: ">= 0.5 x to reach 0.5 x",
+        target: ">= 0.5 x",
         params,
     };
     bound.emit();
